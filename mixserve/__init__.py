@@ -1,0 +1,13 @@
+"""mixserve: an LLM inference engine that measures your own traffic mix."""
+from mixserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    # torch and transformers load slowly; import the engine only when it is asked for.
+    if name == "LLM":
+        from mixserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,47 @@
+"""Incremental detokenization and stop-string handling.
+
+Decoding the whole output every step is quadratic; decoding token by token breaks multi-byte
+characters and BPE pieces that only make sense next to their neighbours. The usual fix (as in
+HF text-generation-inference and vLLM): decode a short window of recent tokens twice, with and
+without the new ones, and emit the difference once it no longer ends in an incomplete
+character (U+FFFD).
+"""
+from __future__ import annotations
+
+from mixserve.sequence import Sequence
+
+# How many already-emitted tokens to keep as left context, so that tokenizers which strip or
+# merge leading spaces decode the new piece the same way they would in the full text.
+_CONTEXT = 5
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
+    """Append the text of newly generated tokens to `seq.text`; returns the new text ("" while a
+    character is still incomplete). Uses and advances seq.prefix_offset / seq.read_offset, which
+    index into the sequence's output token ids."""
+    out = seq.output_token_ids
+    skip = seq.params.skip_special_tokens
+    prefix_text = tokenizer.decode(out[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(out[seq.prefix_offset:], skip_special_tokens=skip)
+    if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        delta = new_text[len(prefix_text):]
+        seq.read_offset = len(out)
+        seq.prefix_offset = max(seq.prefix_offset, seq.read_offset - _CONTEXT)
+        seq.text += delta
+        return delta
+    return ""
+
+
+def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last `new_len` characters of `text`.
+
+    A stop string may span several tokens, so the search starts len(stop) - 1 characters
+    before the new text. Returns (index where it starts, the stop string) or None.
+    """
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

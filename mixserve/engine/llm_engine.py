@@ -1,0 +1,303 @@
+"""The engine: request -> scheduler -> model runner -> sampler -> output, one step at a time."""
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
+from mixserve.engine.model_runner import ModelRunner
+from mixserve.engine.sampler import Sampler, SamplingMetadata
+from mixserve.engine.scheduler import Scheduler
+from mixserve.kv.block_manager import BlockManager
+from mixserve.models.config import ModelConfig
+from mixserve.sampling_params import SamplingParams
+from mixserve.sequence import Sequence
+
+_DEFAULT_KV_MEMORY = "1GiB"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '384MiB', '1.5GB' or a plain integer -> bytes. Raises ValueError on anything else."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16-capable vector units (AVX-512) or on CUDA, else float32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    cap = torch.backends.cpu.get_cpu_capability()
+    return torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    if name is None or name == "auto":
+        return default_dtype()
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype: unknown {name!r}; use bfloat16 or float32")
+    return table[name]
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (the CLI flags of the same names).
+
+    model: built-in name, GGUF path or HF folder. dtype: compute and KV dtype.
+    block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (e.g. "1GiB").
+    max_num_seqs: most running sequences. max_num_batched_tokens: token budget per step.
+    max_model_len: longest prompt + output in tokens (default: the model's context length).
+    shuffle_blocks_seed: hand out KV blocks in random order (tests).
+    """
+
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    dtype: str | torch.dtype | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int = _DEFAULT_KV_MEMORY
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    shuffle_blocks_seed: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """One request's state after a step (final when `finished`).
+
+    text: generated text so far (stop string cut); new_text: what this step added.
+    token_ids: generated token ids. finish_reason: "stop" | "length" | "abort" | None.
+    logprobs: per generated token, a TokenLogprobs (when asked for).
+    metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
+        ttft, e2e — and num_preemptions.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    new_text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True):
+    """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
+
+    GGUF files are dequantized once to an HF folder beside them (models/loader.py).
+    Raises FileNotFoundError / ValueError from model resolution with a clear message.
+    """
+    from mixserve.models.llama import LlamaForCausalLM
+    from mixserve.models.loader import convert_gguf, load_hf_weights
+    from mixserve.models.registry import resolve_model
+
+    r = resolve_model(spec)
+    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
+    cfg = ModelConfig.from_folder(folder)
+    weights = load_hf_weights(folder)
+    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings)
+    del weights
+    tokenizer = None
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return cfg, model, tokenizer, folder
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Use add_request() / abort() at any time and step() to advance every running request by one
+    iteration. The KV cache is `kv_cache_memory` bytes split into blocks of `block_size` tokens.
+
+    Raises (from add_request): ValueError for an empty prompt, token ids outside the vocabulary,
+    or a request that can never fit (prompt + max_tokens over max_model_len or the whole cache).
+    """
+
+    def __init__(self, args: EngineArgs, loaded=None):
+        self.args = args
+        self.dtype = parse_dtype(args.dtype)
+        t0 = time.perf_counter()
+        self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
+            args.model, self.dtype, args.max_model_len, args.progress)
+        self.load_time_s = time.perf_counter() - t0
+        self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        kv_bytes = parse_bytes(args.kv_cache_memory)
+        self.block_bytes = args.block_size * self.cfg.kv_bytes_per_token(dtype_bytes)
+        self.num_blocks = kv_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {args.kv_cache_memory!r} holds no block of {self.block_bytes} bytes")
+        self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.args.block_size
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
+                f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB, {self.dtype})")
+
+    # -- requests --------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (nothing is queued) if it cannot be served."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            text, ids = prompt, self.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+            raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, the context is {self.max_model_len} tokens")
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
+                             f"tokens exceeds max_model_len {self.max_model_len}")
+        if self.block_manager.blocks_for(total) > self.num_blocks:
+            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
+                             f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id, text, ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks at once. Returns False if it is unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one iteration ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the requests that advanced."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.perf_counter()
+        for s in sched.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+        logits, rows = self.runner.run(sched)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens = s.end
+        outputs = []
+        if rows:
+            seqs = [s.seq for s in rows]
+            sampled = self.sampler(logits, self._sampling_metadata(seqs))
+            now = time.perf_counter()
+            for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._append_token(seq, tok, lp, now))
+        self.num_steps += 1
+        return outputs
+
+    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+        eos = self.cfg.eos_token_ids
+        masks = []
+        for s in seqs:
+            p = s.params
+            if s.num_output_tokens < p.min_tokens:
+                masks.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)))
+            else:
+                masks.append([])
+        return SamplingMetadata(
+            params=[s.params for s in seqs],
+            prompt_ids=[s.prompt_token_ids for s in seqs],
+            output_ids=[s.output_token_ids for s in seqs],
+            generators=[s.generator for s in seqs],
+            min_tokens_mask_ids=masks,
+        )
+
+    def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
+        p = seq.params
+        seq.token_ids.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        n_out = seq.num_output_tokens
+        reason = None
+        if not p.ignore_eos and tok in self.cfg.eos_token_ids and n_out >= p.min_tokens:
+            reason, seq.stop_reason = "stop", tok
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            reason, seq.stop_reason = "stop", tok
+        elif p.stop and new_text and n_out >= p.min_tokens:
+            hit = find_stop_string(seq.text, len(new_text), p.stop)
+            if hit is not None:
+                cut = hit[0]
+                new_text = new_text[:max(0, len(new_text) - (len(seq.text) - cut))]
+                seq.text = seq.text[:cut]
+                reason, seq.stop_reason = "stop", hit[1]
+        if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return self.make_output(seq, new_text)
+
+    def make_output(self, seq: Sequence, new_text: str = "") -> RequestOutput:
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        e2e = seq.finish_time - seq.arrival_time if seq.finish_time else None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.text,
+            new_text=new_text,
+            token_ids=seq.output_token_ids,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics={
+                "arrival": seq.arrival_time, "first_scheduled": seq.first_scheduled_time,
+                "first_token": seq.first_token_time, "finish": seq.finish_time,
+                "ttft": ttft, "e2e": e2e, "num_preemptions": seq.num_preemptions,
+            },
+        )

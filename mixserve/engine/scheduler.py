@@ -1,0 +1,126 @@
+"""Continuous (iteration-level) batching with a token budget and preemption by recompute.
+
+Orca (Yu et al., OSDI 2022) schedules at every iteration; vLLM (Kwon et al., SOSP 2023, §4.5)
+adds paged memory and preemption. One budget of `max_num_batched_tokens` is shared by decode
+rows (1 token), prefill chunks (a prompt longer than what is left of the budget is split over
+steps: chunked prefill) and, later, speculative verification rows. Running sequences go first
+(oldest first); when a block is missing, the newest running sequence is preempted: its blocks
+are freed and it goes back to the front of the waiting queue to be recomputed, losing nothing.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mixserve.kv.block_manager import BlockManager
+from mixserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_new_tokens` tokens of `seq`, from position seq.num_computed_tokens, run this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's last token, so a new token is sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides, each step, which sequences run and how many tokens each.
+
+    Args:
+        block_manager: the KV block allocator.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens in one step (decode rows count 1).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            start = seq.num_computed_tokens
+            while not self.bm.can_append(seq.seq_id, start, start + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.copies += self.bm.append_slots(seq.seq_id, start, start + n)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # Admit new work only when nothing was preempted: otherwise it would take the blocks back.
+        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.bm.can_append(seq.seq_id, 0, n):
+                break
+            self.waiting.popleft()
+            out.copies += self.bm.append_slots(seq.seq_id, 0, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED

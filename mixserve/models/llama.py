@@ -1,0 +1,99 @@
+"""Llama / Qwen2 decoder over a flat, unpadded token batch and a paged KV cache.
+
+Architecture as in Touvron et al. 2023 (Llama) and the Qwen2 report (Yang et al. 2024): pre-norm
+RMSNorm, RoPE, grouped-query attention (Ainslie et al. 2023) with optional q/k/v bias, SwiGLU MLP
+(Shazeer 2020), tied or separate LM head. Q/K/V and gate/up projections are fused into one matmul
+each: on CPU one larger GEMM beats three small ones.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixserve.layers.attention import AttentionMetadata, paged_attention
+from mixserve.layers.linear import DenseLinear
+from mixserve.layers.rmsnorm import RMSNorm
+from mixserve.layers.rotary import RotaryEmbedding
+from mixserve.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        g = lambda n: w[prefix + n].to(dtype)  # noqa: E731
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm.weight.data = g("input_layernorm.weight")
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm.weight.data = g("post_attention_layernorm.weight")
+        qkv_w = torch.cat([g(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        qkv_b = torch.cat([g(f"self_attn.{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
+        self.qkv_proj = DenseLinear(qkv_w, qkv_b)
+        self.o_proj = DenseLinear(g("self_attn.o_proj.weight"))
+        self.gate_up_proj = DenseLinear(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]))
+        self.down_proj = DenseLinear(g("mlp.down_proj.weight"))
+        self.scale = cfg.head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, positions, meta: AttentionMetadata, rope: RotaryEmbedding):
+        cfg = self.cfg
+        T = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope(positions, q, k)
+        a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        x = x + self.o_proj(a.reshape(T, cfg.q_size))
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    Args:
+        cfg: model shape.
+        weights: HF-named tensors ([out, in] linears), any float dtype; cast to `dtype`.
+        dtype: compute dtype (torch.bfloat16 or torch.float32).
+        max_positions: RoPE table length in tokens (the engine's max_model_len).
+    Raises:
+        KeyError: a weight is missing.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"].to(dtype), freeze=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm.weight.data = weights["model.norm.weight"].to(dtype)
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = DenseLinear(self.embed_tokens.weight)
+        else:
+            self.lm_head = DenseLinear(weights["lm_head.weight"].to(dtype))
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        """Give each layer its K/V cache tensors [num_blocks, block_size, num_kv_heads, head_dim]."""
+        for layer, kc, vc in zip(self.layers, k_caches, v_caches):
+            layer.k_cache, layer.v_cache = kc, vc
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: int64 [T]; logits_indices: int64 [N] rows of the batch whose
+        next-token logits are wanted. Returns float32 logits [N, vocab_size]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta, self.rope)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()

@@ -1,0 +1,89 @@
+"""Per-request sampling parameters (the OpenAI / vLLM set)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_k: keep the k most likely tokens; -1 or 0 disables.
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p; 1.0 disables.
+        min_p: drop tokens whose probability is below min_p times the top token's; 0 disables.
+        presence_penalty: subtracted once from the logit of every token already generated (OpenAI).
+        frequency_penalty: subtracted from a token's logit per occurrence in the output (OpenAI).
+        repetition_penalty: CTRL-style (Keskar et al. 2019) penalty on tokens seen in prompt or
+            output: positive logits divided by it, negative multiplied; 1.0 disables.
+        seed: per-request random seed; the same seed gives the same sample regardless of batching.
+        max_tokens: maximum number of generated tokens.
+        min_tokens: end-of-sequence and stop token ids are masked until this many tokens exist.
+        ignore_eos: keep generating past the model's end-of-sequence ids.
+        stop: strings that end generation; they are cut from the returned text.
+        stop_token_ids: extra token ids that end generation (kept in token_ids, not in text).
+        logprobs: if not None, return the sampled token's log-probability and the top-n
+            alternatives (n = logprobs) under the model's unmodified distribution.
+        skip_special_tokens: drop special tokens when detokenizing.
+
+    Raises:
+        ValueError: from `validate()` when a value is out of range, naming the field.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check ranges; raise ValueError naming the offending field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", "must be <= max_tokens")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "must be an integer in [0, 20]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")

@@ -1,0 +1,190 @@
+"""Engine mechanics on tiny random models made in the test, checked against HF transformers."""
+import random
+
+import pytest
+import torch
+
+from mixserve import SamplingParams
+from mixserve.llm import LLM
+from tests.reference import compare_greedy, hf_greedy
+
+VOCAB = 256
+
+
+def make_tiny(tmp_path, arch: str, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.3)
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        cfg = Qwen2Config(rope_theta=10000.0, **common)
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = LlamaConfig(rope_theta=500000.0, **common)
+        model = LlamaForCausalLM(cfg)
+    model = model.float().eval()
+    folder = tmp_path / f"tiny-{arch}-{'tied' if tie else 'sep'}"
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("m"), "qwen2", tie=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    _, hf = tiny
+    out = {}
+    for i, p in enumerate(prompts(6)):
+        out[i] = (p, *hf_greedy(hf, p, 64))
+    return out
+
+
+def check_all(outs, reference):
+    ties = 0
+    for i, o in enumerate(outs):
+        p, ref, logits = reference[i]
+        c = compare_greedy(o.token_ids, ref, logits)
+        assert c.ok, f"prompt {i}: diverged at {c.position} (gap {c.gap})"
+        ties += c.tie_used
+    return ties
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_greedy_matches_hf(tmp_path, arch, tie):
+    folder, hf = make_tiny(tmp_path, arch, tie)
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    ps = prompts(4, seed=1)
+    outs = llm.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        ref, logits = hf_greedy(hf, p, 64)
+        c = compare_greedy(o.token_ids, ref, logits)
+        assert c.ok, (c.position, c.gap)
+        assert len(o.token_ids) == 64 and o.finish_reason == "length"
+
+
+def test_shuffled_blocks_same_output(tiny, reference):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", shuffle_blocks_seed=123, block_size=4, progress=False)
+    table_blocks = []
+    outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
+    check_all(outs, reference)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # the free list really is scrambled: the first blocks handed out are not 0, 1, 2, ...
+    assert list(bm.free_blocks)[:8] != list(range(8)) or table_blocks
+
+
+def test_preemption_loses_nothing(tiny, reference):
+    folder, _ = tiny
+    # 6 requests of up to 104 tokens each with 4-token blocks: ~160 blocks wanted, 60 available.
+    from mixserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(folder)
+    block_bytes = 4 * cfg.kv_bytes_per_token(4)
+    llm = LLM(folder, dtype="float32", kv_cache_memory=60 * block_bytes, block_size=4, progress=False)
+    assert llm.engine.num_blocks == 60
+    outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
+    check_all(outs, reference)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics["num_preemptions"] for o in outs) == llm.engine.scheduler.num_preemptions
+    assert llm.engine.block_manager.num_free_blocks == 60
+
+
+def test_chunked_prefill_same_output(tiny, reference):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=7, block_size=4,
+              progress=False)
+    outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
+    check_all(outs, reference)
+    assert max(len(reference[i][0]) for i in range(6)) > 7
+
+
+def test_batch_equals_alone(tiny, reference):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    alone = [llm.generate([reference[i][0]], GREEDY)[0].token_ids for i in range(3)]
+    together = [o.token_ids for o in llm.generate([reference[i][0] for i in range(3)], GREEDY)]
+    assert alone == together
+
+
+def test_refusals(tiny):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="1MiB", max_model_len=128, progress=False)
+    eng = llm.engine
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request([VOCAB + 5], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=126))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.add_request(list(range(130)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert not eng.has_unfinished()
+    # a good request still runs after the refusals
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+
+
+def test_kv_cache_cannot_hold_request(tiny):
+    folder, _ = tiny
+    from mixserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(folder)
+    llm = LLM(folder, dtype="float32", kv_cache_memory=4 * 16 * cfg.kv_bytes_per_token(4), progress=False)
+    with pytest.raises(ValueError, match="never fit"):
+        llm.engine.add_request([1] * 10, SamplingParams(max_tokens=60))
+
+
+def test_abort_frees_blocks(tiny):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    eng = llm.engine
+    a = eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = eng.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    assert eng.abort(a)
+    assert not eng.abort(a)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], sp)[0].token_ids
+    mixed = llm.generate([[9, 9], [1, 2, 3], [4]], [SamplingParams(temperature=1.0, max_tokens=20), sp,
+                                                    SamplingParams(temperature=0, max_tokens=3)])
+    assert mixed[1].token_ids == alone
+
+
+def test_stop_token_and_min_tokens(tiny, reference):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    p, ref, _ = reference[0]
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=64, min_tokens=first + 2,
+                                           stop_token_ids=[stop_tok]))[0]
+    assert len(out.token_ids) >= first + 2
+    assert stop_tok not in out.token_ids[:first + 2]
