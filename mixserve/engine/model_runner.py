@@ -83,11 +83,11 @@ class ModelRunner:
             max_blocks = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
             ctx_t = torch.tensor(ctx)
-            L = int(ctx_t.max())
-            ar = torch.arange(L)
+            ar = torch.arange(max_blocks * bs)
             meta.num_decode = len(decode)
-            meta.decode_gather = bt[:, ar // bs] * bs + ar % bs
-            meta.decode_mask = (ar[None, :] < ctx_t[:, None])[:, None, None, :]
+            meta.decode_block_tables = bt
+            meta.decode_bias = torch.zeros(len(decode), max_blocks * bs).masked_fill_(
+                ar[None, :] >= ctx_t[:, None], float("-inf"))
             for i, s in enumerate(decode):
                 if s.samples:
                     sampled.append(s)

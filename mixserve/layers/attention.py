@@ -39,15 +39,17 @@ class AttentionMetadata:
 
     slot_mapping: LongTensor [T], cache slot for each token of the flat batch.
     num_decode: the first `num_decode` rows of the batch are decode rows (one query each).
-    decode_gather: LongTensor [num_decode, max_ctx] slots of each decode row's context, padded.
-    decode_mask: bool [num_decode, 1, 1, max_ctx], True for real (non-padding) positions.
+    decode_block_tables: LongTensor [num_decode, max_blocks], each decode row's block table,
+        padded with block 0 (whole blocks are gathered: 1/block_size as many indices as slots).
+    decode_bias: float32 [num_decode, max_blocks * block_size], 0 for real context positions,
+        -inf for padding and for the unwritten tail of the last block.
     prefills: spans for the remaining rows.
     """
 
     slot_mapping: torch.Tensor
     num_decode: int = 0
-    decode_gather: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -79,12 +81,10 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        # [B, L, kvh, d] -> [B, kvh, L, d]
-        kd = k_flat[meta.decode_gather].transpose(1, 2)
-        vd = v_flat[meta.decode_gather].transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, d]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = od.squeeze(2)
+        bt = meta.decode_block_tables
+        kd = k_cache[bt].flatten(1, 2)  # [B, max_blocks * block_size, kvh, d]
+        vd = v_cache[bt].flatten(1, 2)
+        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_bias, scale)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
         if span.gather is None:
@@ -100,3 +100,19 @@ def paged_attention(
         )
         out[span.start:span.end] = os_.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
+    """One query per row over a padded context, grouped-query aware.
+
+    q [B, H, d]; k, v [B, L, Hkv, d]; bias float32 [B, L]. Returns [B, H, d].
+    Plain batched matmuls: on CPU, PyTorch's fused SDPA kernel runs a single-token query
+    about 10x slower than this (measured 4.6 ms vs 0.48 ms for B=16, L=320, bf16, 2 threads).
+    Query heads are grouped per KV head so K/V are never repeated.
+    """
+    B, H, d = q.shape
+    kvh = k.shape[2]
+    qg = q.view(B, kvh, H // kvh, d)
+    s = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, kvh, g, L]
+    p = torch.softmax(s + bias[:, None, None, :], dim=-1).to(q.dtype)
+    return torch.matmul(p, v.transpose(1, 2)).reshape(B, H, d)

