@@ -51,6 +51,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding counters (tokens): proposed, accepted, and evaluated = positions the
+    # target actually judged (a run stops at its first rejection), per Leviathan et al. §3
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_evaluated: int = 0
+    spec_steps: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -76,6 +82,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def alpha(self, prior_accepted: float = 1.0, prior_evaluated: float = 2.0) -> float:
+        """Smoothed acceptance rate α = accepted / evaluated (Beta-prior smoothing, default 0.5)."""
+        return (self.spec_accepted + prior_accepted) / (self.spec_evaluated + prior_evaluated)
 
     @property
     def is_finished(self) -> bool:

@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 import torch
 
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
-from mixserve.engine.model_runner import ModelRunner
-from mixserve.engine.sampler import Sampler, SamplingMetadata
+from mixserve.engine.model_runner import BatchItem, ModelRunner
+from mixserve.engine.sampler import Sampler, SamplingMetadata, probs_from_logits, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
 from mixserve.models.config import ModelConfig
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence
+from mixserve.spec.controller import SpecController
+from mixserve.spec.proposer import DraftModelProposer, NgramProposer
+from mixserve.spec.rejection import accept_greedy, accept_sampled
 
 _DEFAULT_KV_MEMORY = "1GiB"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -60,6 +63,9 @@ class EngineArgs:
     max_num_seqs: most running sequences. max_num_batched_tokens: token budget per step.
     max_model_len: longest prompt + output in tokens (default: the model's context length).
     shuffle_blocks_seed: hand out KV blocks in random order (tests).
+    draft_model: built-in name / path of a draft model sharing the target's vocabulary, or
+        "ngram" for prompt lookup; None disables speculative decoding.
+    num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -71,6 +77,9 @@ class EngineArgs:
     max_model_len: int | None = None
     shuffle_blocks_seed: int | None = None
     progress: bool = True
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculation: str = "auto"
 
 
 @dataclass
@@ -121,6 +130,26 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     return cfg, model, tokenizer, folder
 
 
+def check_same_vocab(cfg, tok, dcfg, dtok) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: same token count and the same
+    strings for a spread sample of ids. Raises ValueError naming what differs."""
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"draft_model: vocabulary size {dcfg.vocab_size} differs from the target's {cfg.vocab_size}")
+    if tok is None and dtok is None:
+        return  # token-id-only models (tests): the sizes agree, nothing more to compare
+    if tok is None or dtok is None:
+        raise ValueError("draft_model: both models need a tokenizer to check they share a vocabulary")
+    n = min(len(tok), len(dtok))
+    if len(tok) != len(dtok):
+        raise ValueError(f"draft_model: tokenizer has {len(dtok)} tokens, the target's has {len(tok)}")
+    ids = sorted(set(range(0, n, max(1, n // 997))) | {n - 1})
+    a, b = tok.convert_ids_to_tokens(ids), dtok.convert_ids_to_tokens(ids)
+    bad = [(i, x, y) for i, x, y in zip(ids, a, b) if x != y]
+    if bad:
+        raise ValueError(f"draft_model: token strings differ from the target's, e.g. id {bad[0][0]}: "
+                         f"{bad[0][1]!r} vs {bad[0][2]!r}")
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -141,7 +170,18 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         dtype_bytes = torch.finfo(self.dtype).bits // 8
         kv_bytes = parse_bytes(args.kv_cache_memory)
-        self.block_bytes = args.block_size * self.cfg.kv_bytes_per_token(dtype_bytes)
+        self.draft_cfg = None
+        draft = None
+        if args.draft_model and args.draft_model != "ngram":
+            draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress)
+            check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
+            self.draft_cfg = draft[0]
+        # The draft's cache holds as many tokens as the target's, so the budget is split in
+        # proportion to their per-token K/V bytes.
+        per_token = self.cfg.kv_bytes_per_token(dtype_bytes)
+        if self.draft_cfg is not None:
+            per_token += self.draft_cfg.kv_bytes_per_token(dtype_bytes)
+        self.block_bytes = args.block_size * per_token
         self.num_blocks = kv_bytes // self.block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {args.kv_cache_memory!r} holds no block of {self.block_bytes} bytes")
@@ -149,6 +189,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
         self.sampler = Sampler()
+        self.proposer = None
+        if args.draft_model == "ngram":
+            self.proposer = NgramProposer()
+        elif draft is not None:
+            dbm = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
+            drunner = ModelRunner(draft[1], self.draft_cfg, dbm, self.num_blocks, args.block_size, self.dtype)
+            self.proposer = DraftModelProposer(drunner, dbm, self._sampling_metadata)
+        if self.proposer is not None:
+            self.scheduler.on_free.append(self.proposer.free)
+        self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -158,8 +208,12 @@ class LLMEngine:
         return self.num_blocks * self.args.block_size
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
+        text = (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
                 f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB, {self.dtype})")
+        if self.draft_cfg is not None:
+            d = self.draft_cfg.kv_bytes_per_token(1) / (self.cfg.kv_bytes_per_token(1) + self.draft_cfg.kv_bytes_per_token(1))
+            text += f"; {d:.0%} of it is the draft model's cache"
+        return text
 
     # -- requests --------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -213,20 +267,32 @@ class LLMEngine:
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return the requests that advanced."""
-        sched = self.scheduler.schedule()
+        """Schedule, (propose,) run the target once, sample or verify, and return the requests
+        that advanced."""
+        k = 0
+        if self.proposer is not None:
+            decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+            prefill_tokens = sum(s.num_uncomputed_tokens for s in self.scheduler.running) - len(decoding)
+            k = self.controller.choose([s.alpha() for s in decoding], prefill_tokens)
+        sched = self.scheduler.schedule(lookahead=k)
         if not sched.scheduled:
             return []
         now = time.perf_counter()
         for s in sched.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-        logits, rows = self.runner.run(sched)
+        if k:
+            return self._spec_step(sched, k)
+        items = [BatchItem(s.seq.seq_id, s.seq.token_ids, s.start, s.end, int(s.samples)) for s in sched.scheduled]
+        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        t0 = time.perf_counter()
+        logits, rows = self.runner.run(items, sched.copies)
+        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
         outputs = []
         if rows:
-            seqs = [s.seq for s in rows]
+            seqs = [by_id[it.seq_id] for it in rows]
             sampled = self.sampler(logits, self._sampling_metadata(seqs))
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
@@ -234,19 +300,87 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _sampling_metadata(self, seqs: list[Sequence]) -> SamplingMetadata:
+    def _spec_step(self, sched, k: int) -> list[RequestOutput]:
+        """Speculative step (Leviathan et al. 2023, Alg. 1) for the whole batch: the proposer
+        drafts up to k tokens for every decode row, ONE target forward scores prefill chunks and
+        all proposals, then each row keeps its accepted prefix plus one token, and both caches
+        roll back past what was kept."""
+        decode = [s for s in sched.scheduled if s.lookahead]
+        prefill = [s for s in sched.scheduled if not s.lookahead]
+        t0 = time.perf_counter()
+        extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill])
+        props = self.proposer.propose([s.seq for s in decode], k, extra)
+        t1 = time.perf_counter()
+        if decode and self.proposer.num_forwards:
+            self.controller.draft.record(len(decode), (t1 - t0) / k)
+        drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
+        qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
+        items = []
+        for s in sched.scheduled:
+            d = drafts.get(s.seq.seq_id, [])
+            items.append(BatchItem(s.seq.seq_id, s.seq.token_ids + d, s.start, s.end + len(d),
+                                   len(d) + 1 if s.samples else 0))
+        logits, rows = self.runner.run(items, sched.copies)
+        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
+        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for s in prefill:
+            s.seq.num_computed_tokens = s.end
+        # one metadata row per verified position: output ids include the drafts before it
+        row_seqs, row_extra = [], []
+        for it in rows:
+            d = drafts.get(it.seq_id, [])
+            for t in range(it.num_logits):
+                row_seqs.append(by_id[it.seq_id])
+                row_extra.append(d[:t])
+        processed = process_logits(logits, self._sampling_metadata(row_seqs, row_extra))
+        outputs, r, now = [], 0, time.perf_counter()
+        for it in rows:
+            seq, m = by_id[it.seq_id], it.num_logits
+            d = drafts.get(it.seq_id, [])
+            n_before = seq.num_tokens
+            if seq.params.greedy:
+                j, toks = accept_greedy(processed[r:r + m].argmax(-1).tolist(), d)
+            else:
+                q = qs.get(it.seq_id)
+                if q is None and d:  # deterministic proposer: q is one-hot
+                    q = torch.nn.functional.one_hot(torch.tensor(d), processed.shape[1]).float()
+                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d, seq.generator)
+            if d:
+                seq.spec_steps += 1
+                seq.spec_proposed += len(d)
+                seq.spec_accepted += j
+                seq.spec_evaluated += j + (j < len(d))
+            lps = (self.sampler._logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
+                   if seq.params.logprobs is not None else [None] * len(toks))
+            seq.num_computed_tokens = n_before
+            for tok, lp in zip(toks, lps):
+                out = self._append_token(seq, tok, lp, now)
+                if out.finished:
+                    break
+            if not out.finished:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+                self.proposer.rollback(seq, seq.num_tokens - 1)
+            outputs.append(out)
+            r += m
+        self.num_steps += 1
+        return outputs
+
+    def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> SamplingMetadata:
+        """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i."""
         eos = self.cfg.eos_token_ids
+        extra = extra or [[] for _ in seqs]
         masks = []
-        for s in seqs:
+        for s, e in zip(seqs, extra):
             p = s.params
-            if s.num_output_tokens < p.min_tokens:
+            if s.num_output_tokens + len(e) < p.min_tokens:
                 masks.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)))
             else:
                 masks.append([])
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
-            output_ids=[s.output_token_ids for s in seqs],
+            output_ids=[s.output_token_ids + e for s, e in zip(seqs, extra)],
             generators=[s.generator for s in seqs],
             min_tokens_mask_ids=masks,
         )
@@ -299,5 +433,7 @@ class LLMEngine:
                 "arrival": seq.arrival_time, "first_scheduled": seq.first_scheduled_time,
                 "first_token": seq.first_token_time, "finish": seq.finish_time,
                 "ttft": ttft, "e2e": e2e, "num_preemptions": seq.num_preemptions,
+                "spec_proposed": seq.spec_proposed, "spec_accepted": seq.spec_accepted,
+                "spec_evaluated": seq.spec_evaluated, "spec_steps": seq.spec_steps,
             },
         )

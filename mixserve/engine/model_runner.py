@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mixserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, PrefillSpan
 from mixserve.models.config import ModelConfig
@@ -26,16 +25,32 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
 
 
 @dataclass
+class BatchItem:
+    """Positions [start, end) of one sequence, computed this step.
+
+    token_ids: the sequence's tokens (at least `end` of them); num_logits: how many of the last
+    positions of the span need next-token logits (0 for a prefill chunk that does not reach the
+    end, 1 for a normal step, K+1 for speculative verification).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start: int
+    end: int
+    num_logits: int = 1
+
+
+@dataclass
 class PreparedBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]
-    sampled: list[ScheduledSeq]  # the N scheduled entries that get a new token, in row order
+    items: list[BatchItem]  # in logits order: item i owns the next items[i].num_logits rows
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; `run` executes one scheduled step.
+    """Owns a model and its KV cache; `run` executes one forward pass over a flat batch.
 
     Args:
         model: a module with `bind_kv_cache` and forward(input_ids, positions, meta, logits_indices).
@@ -59,23 +74,22 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return table[pos // bs] * bs + pos % bs
 
-    def prepare(self, sched: list[ScheduledSeq]) -> PreparedBatch:
+    def prepare(self, items: list[BatchItem]) -> PreparedBatch:
         bs = self.block_size
-        decode = [s for s in sched if s.num_new_tokens == 1]
-        prefill = [s for s in sched if s.num_new_tokens > 1]
+        decode = [it for it in items if it.end - it.start == 1]
+        multi = [it for it in items if it.end - it.start > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
-        sampled: list[ScheduledSeq] = []
         logit_rows: list[int] = []
         if decode:
             ctx = []
             tables = []
-            for s in decode:
-                p = s.start
-                table = self.bm.block_table(s.seq.seq_id)
-                ids.append(s.seq.token_ids[p])
+            for it in decode:
+                p = it.start
+                table = self.bm.block_table(it.seq_id)
+                ids.append(it.token_ids[p])
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
                 ctx.append(p + 1)
@@ -88,33 +102,28 @@ class ModelRunner:
             meta.decode_block_tables = bt
             meta.decode_bias = torch.zeros(len(decode), max_blocks * bs).masked_fill_(
                 ar[None, :] >= ctx_t[:, None], float("-inf"))
-            for i, s in enumerate(decode):
-                if s.samples:
-                    sampled.append(s)
-                    logit_rows.append(i)
+            logit_rows += [i for i, it in enumerate(decode) if it.num_logits]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
-        for s in prefill:
+        for it in multi:
             row0 = len(ids)
-            ids.extend(s.seq.token_ids[s.start:s.end])
-            pos.extend(range(s.start, s.end))
-            slot_parts.append(self._slot_tensor(s.seq.seq_id, s.start, s.end))
-            if s.start == 0:
+            ids.extend(it.token_ids[it.start:it.end])
+            pos.extend(range(it.start, it.end))
+            slot_parts.append(self._slot_tensor(it.seq_id, it.start, it.end))
+            if it.start == 0:
                 span = PrefillSpan(row0, len(ids), None, None)
             else:
-                q_pos = torch.arange(s.start, s.end)
-                mask = torch.arange(s.end)[None, :] <= q_pos[:, None]
-                span = PrefillSpan(row0, len(ids), self._slot_tensor(s.seq.seq_id, 0, s.end), mask)
+                q_pos = torch.arange(it.start, it.end)
+                mask = torch.arange(it.end)[None, :] <= q_pos[:, None]
+                span = PrefillSpan(row0, len(ids), self._slot_tensor(it.seq_id, 0, it.end), mask)
             meta.prefills.append(span)
-            if s.samples:
-                sampled.append(s)
-                logit_rows.append(len(ids) - 1)
+            logit_rows += range(len(ids) - it.num_logits, len(ids))
         meta.slot_mapping = torch.cat(slot_parts)
         return PreparedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(pos, dtype=torch.long),
             meta=meta,
             logits_indices=torch.tensor(logit_rows, dtype=torch.long),
-            sampled=sampled,
+            items=[it for it in decode + multi if it.num_logits],
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -127,10 +136,11 @@ class ModelRunner:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
-    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Run one step. Returns (float32 logits [N, vocab] for the sampling rows, those rows)."""
-        self.copy_blocks(out.copies)
-        batch = self.prepare(out.scheduled)
+    def run(self, items: list[BatchItem], copies: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[BatchItem]]:
+        """Run one forward pass over `items`. Returns (float32 logits [N, vocab], the items that
+        own them, in row order: each owns its num_logits consecutive rows)."""
+        self.copy_blocks(list(copies))
+        batch = self.prepare(items)
         logits = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices)
         self.num_forwards += 1
-        return logits, batch.sampled
+        return logits, batch.items

@@ -22,6 +22,7 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    lookahead: int = 0  # extra slots reserved for speculative tokens (verified in the same step)
 
     @property
     def start(self) -> int:
@@ -64,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_free: list = []  # callbacks(seq) when a sequence's blocks are freed (draft caches)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,24 +74,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: int = 0) -> SchedulerOutput:
+        """Pick this step's work. `lookahead` extra slots (and budget) are reserved for every
+        decode row, for the k speculative tokens verified with it."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            la = lookahead if seq.num_uncomputed_tokens == 1 and budget > lookahead else 0
             start = seq.num_computed_tokens
-            while not self.bm.can_append(seq.seq_id, start, start + n):
+            while not self.bm.can_append(seq.seq_id, start, start + n + la):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                out.copies += self.bm.append_slots(seq.seq_id, start, start + n)
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                out.copies += self.bm.append_slots(seq.seq_id, start, start + n + la)
+                out.scheduled.append(ScheduledSeq(seq, n, la))
+                budget -= n + la
                 i += 1
                 continue
             break
@@ -109,7 +114,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.free(seq.seq_id)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -122,5 +127,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq.seq_id)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _free(self, seq: Sequence) -> None:
+        self.bm.free(seq.seq_id)
+        for fn in self.on_free:
+            fn(seq)

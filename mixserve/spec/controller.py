@@ -1,0 +1,105 @@
+"""Choosing how many tokens to speculate each step (Leviathan et al., ICML 2023, §3.4).
+
+With per-token acceptance probability α and k proposed tokens, a verification step emits on
+average E(k) = (1 - α^(k+1)) / (1 - α) tokens (Leviathan et al., eq. 1). It costs k draft steps
+plus one target step over (k+1) rows per sequence. On CPUs the target's cost is nearly flat in
+rows for a few rows (decode is bandwidth-bound) and grows in large batches, so the step costs
+are measured online, per row count, rather than assumed. k = 0 is plain decoding.
+"""
+from __future__ import annotations
+
+import math
+
+
+class StepCostTable:
+    """Exponential moving average of measured seconds per forward, bucketed by rows (powers of 2).
+
+    estimate(rows) interpolates linearly between measured buckets, is flat below the smallest and
+    proportional to rows above the largest; None when nothing is measured yet.
+    """
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.buckets: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, math.ceil(math.log2(max(1, rows))))
+
+    def record(self, rows: int, seconds: float) -> None:
+        b = self.bucket(rows)
+        old = self.buckets.get(b)
+        self.buckets[b] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def has(self, rows: int) -> bool:
+        return self.bucket(rows) in self.buckets
+
+    def estimate(self, rows: int) -> float | None:
+        if not self.buckets:
+            return None
+        keys = sorted(self.buckets)
+        if rows <= keys[0]:
+            return self.buckets[keys[0]]
+        if rows >= keys[-1]:
+            return self.buckets[keys[-1]] * rows / keys[-1]
+        for lo, hi in zip(keys, keys[1:]):
+            if lo <= rows <= hi:
+                w = (rows - lo) / (hi - lo)
+                return (1 - w) * self.buckets[lo] + w * self.buckets[hi]
+        return None
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(k) = (1 - α^(k+1)) / (1 - α): expected tokens emitted per verification of k proposals."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class SpecController:
+    """Picks k per engine step.
+
+    mode: "off" (always 0), "fixed" (always k_max), "auto" (maximize expected tokens per second).
+    k_max: the largest k considered (--num-speculative-tokens).
+    """
+
+    def __init__(self, mode: str, k_max: int):
+        if mode not in ("auto", "fixed", "off"):
+            raise ValueError(f"speculation: must be auto, fixed or off (got {mode!r})")
+        if k_max < 0:
+            raise ValueError(f"num_speculative_tokens: must be >= 0 (got {k_max})")
+        self.mode = mode
+        self.k_max = k_max
+        self.target = StepCostTable()
+        self.draft = StepCostTable()
+        self.history: list[int] = []
+
+    def c(self, rows: int = 1) -> float | None:
+        """Measured draft step time / target step time at `rows` rows."""
+        d, t = self.draft.estimate(rows), self.target.estimate(rows)
+        return d / t if d is not None and t else None
+
+    def choose(self, alphas: list[float], prefill_tokens: int) -> int:
+        """k for a step with one decode row per entry of `alphas` (each its smoothed α)."""
+        if self.mode == "off" or not alphas or self.k_max == 0:
+            k = 0
+        elif self.mode == "fixed":
+            k = self.k_max
+        else:
+            k = self._best(alphas, prefill_tokens)
+        self.history.append(k)
+        return k
+
+    def _best(self, alphas: list[float], prefill_tokens: int) -> int:
+        b = len(alphas)
+        # Explore: a candidate whose costs were never measured is tried once.
+        for k in range(self.k_max, -1, -1):
+            if not self.target.has(b * (k + 1) + prefill_tokens) or (k and not self.draft.has(b)):
+                return k
+        best_k, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            cost = self.target.estimate(b * (k + 1) + prefill_tokens) + k * self.draft.estimate(b)
+            rate = sum(expected_tokens(a, k) for a in alphas) / cost
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k

@@ -1,0 +1,140 @@
+"""Proposers for speculative decoding: a small draft model over its own paged KV cache, or n-gram
+prompt lookup (Saxena 2023, "prompt lookup decoding") that needs no model at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mixserve.engine.model_runner import BatchItem, ModelRunner
+from mixserve.engine.sampler import SamplingMetadata, probs_from_logits, process_logits
+from mixserve.kv.block_manager import BlockManager
+from mixserve.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    """k proposed tokens for one sequence and the distributions they were drawn from.
+
+    q: float32 [k, V] processed draft probabilities, or None when the row is greedy (only the
+    tokens matter) or the proposer is deterministic (then q is one-hot, built on demand).
+    """
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+MetaFn = Callable[[list[Sequence], list[list[int]]], SamplingMetadata]
+
+
+class DraftModelProposer:
+    """Runs a draft model autoregressively for k steps over the whole batch at once.
+
+    The draft keeps its own block manager and KV cache with as many blocks as the target, so it
+    can never run out where the target did not. Per sequence it tracks how many tokens its cache
+    holds (`computed`); each round first catches up on the tokens it has not seen (the last
+    accepted token, or a whole prompt), which is one flat batch with the first proposal step.
+
+    Args:
+        runner: ModelRunner over the draft model; block_manager: the draft's allocator.
+        meta_fn: builds SamplingMetadata for sequences with extra (proposed) output tokens, so the
+            draft's q is processed exactly like the target's p (penalties, temperature, top-k/p).
+    """
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, meta_fn: MetaFn):
+        self.runner = runner
+        self.bm = block_manager
+        self.meta_fn = meta_fn
+        self.computed: dict[int, int] = {}
+        self.num_forwards = 0
+
+    def prefill(self, chunks: list[tuple[Sequence, int, int]]) -> list[BatchItem]:
+        """Draft items mirroring target prefill chunks (positions [start, end)), no logits."""
+        items = []
+        for seq, start, end in chunks:
+            if self.computed.get(seq.seq_id, 0) != start:
+                continue  # behind: it catches up at its first proposal instead
+            self.bm.append_slots(seq.seq_id, start, end)
+            items.append(BatchItem(seq.seq_id, seq.token_ids, start, end, 0))
+            self.computed[seq.seq_id] = end
+        return items
+
+    def propose(self, seqs: list[Sequence], k: int, extra_items: list[BatchItem] = ()) -> list[Proposal]:
+        """Propose k tokens for each sequence (each has all but its last token in the target
+        cache). `extra_items` (draft prefill chunks) ride along in the first forward."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(k):
+            items = list(extra_items) if step == 0 else []
+            for s, d in zip(seqs, drafts):
+                toks = s.token_ids + d
+                start = self.computed.get(s.seq_id, 0) if step == 0 else len(toks) - 1
+                self.bm.append_slots(s.seq_id, start, len(toks))
+                items.append(BatchItem(s.seq_id, toks, start, len(toks), 1))
+            logits, rows = self.runner.run(items)
+            self.num_forwards += 1
+            by_id = {it.seq_id: i for i, it in enumerate(rows)}
+            logits = logits[[by_id[s.seq_id] for s in seqs]]
+            meta = self.meta_fn(seqs, drafts)
+            processed = process_logits(logits, meta)
+            greedy = [s.params.greedy for s in seqs]
+            if all(greedy):
+                toks = processed.argmax(-1).tolist()
+            else:
+                probs = probs_from_logits(processed)
+                toks = []
+                for i, s in enumerate(seqs):
+                    if greedy[i]:
+                        toks.append(int(processed[i].argmax()))
+                    else:
+                        toks.append(int(torch.multinomial(probs[i], 1, generator=s.generator)))
+                        qs[i].append(probs[i])
+            for s, d, t in zip(seqs, drafts, toks):
+                d.append(t)
+                self.computed[s.seq_id] = s.num_tokens + len(d) - 1
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def rollback(self, seq: Sequence, valid_tokens: int) -> None:
+        """Keep only the first `valid_tokens` positions of the draft cache for `seq`."""
+        c = min(self.computed.get(seq.seq_id, 0), valid_tokens)
+        self.computed[seq.seq_id] = c
+        self.bm.truncate(seq.seq_id, c)
+
+    def free(self, seq: Sequence) -> None:
+        self.computed.pop(seq.seq_id, None)
+        self.bm.free(seq.seq_id)
+
+
+class NgramProposer:
+    """Prompt-lookup proposer: find the most recent earlier occurrence of the sequence's last n
+    tokens (n from `max_n` down to `min_n`) and propose the k tokens that followed it. Pays on
+    edits and code that repeat their context; proposes nothing when no n-gram matches.
+    Deterministic, so its q is one-hot (accept with probability p(x)).
+    """
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.num_forwards = 0
+
+    def prefill(self, chunks) -> list[BatchItem]:
+        return []
+
+    def propose(self, seqs: list[Sequence], k: int, extra_items=()) -> list[Proposal]:
+        return [Proposal(self._lookup(s.token_ids, k)) for s in seqs]
+
+    def _lookup(self, toks: list[int], k: int) -> list[int]:
+        n_tok = len(toks)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            pattern = toks[-n:]
+            for i in range(n_tok - n - 1, -1, -1):
+                if toks[i:i + n] == pattern:
+                    return toks[i + n:i + n + k]
+        return []
+
+    def rollback(self, seq: Sequence, valid_tokens: int) -> None:
+        pass
+
+    def free(self, seq: Sequence) -> None:
+        pass

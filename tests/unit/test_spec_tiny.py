@@ -1,0 +1,132 @@
+"""Speculative decoding mechanics on tiny random target/draft pairs made in the test."""
+import pytest
+import torch
+
+from mixserve import SamplingParams
+from mixserve.llm import LLM
+from tests.unit.test_engine_tiny import make_tiny, prompts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    target, _ = make_tiny(d / "t", "qwen2", tie=False)
+    torch.manual_seed(1)
+    draft, _ = make_tiny(d / "d", "qwen2", tie=True)
+    return target, draft
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def plain_outputs(target, ps):
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    return [o.token_ids for o in llm.generate(ps, GREEDY)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_spec_equals_plain(pair, k):
+    target, draft = pair
+    ps = prompts(5, seed=3)
+    ref = plain_outputs(target, ps)
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=draft, num_speculative_tokens=k,
+              speculation="fixed", progress=False)
+    batch = llm.generate(ps, GREEDY)
+    assert [o.token_ids for o in batch] == ref
+    alone = llm.generate([ps[0]], GREEDY)[0]
+    assert alone.token_ids == ref[0]
+    eng = llm.engine
+    # one target forward per engine step, k draft forwards per speculative step
+    assert eng.runner.num_forwards == eng.num_steps
+    assert sum(o.metrics["spec_proposed"] for o in batch) > 0
+    # every block of both caches is back
+    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    assert eng.proposer.bm.num_free_blocks == eng.num_blocks
+    assert not eng.proposer.computed
+
+
+def test_self_draft_accepts_everything(pair):
+    target, _ = pair
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=target, num_speculative_tokens=4,
+              speculation="fixed", progress=False)
+    outs = llm.generate(prompts(3, seed=4), GREEDY)
+    for o in outs:
+        m = o.metrics
+        assert m["spec_proposed"] > 0 and m["spec_accepted"] == m["spec_evaluated"]
+        # 40 tokens at up to 5 per step
+        assert m["spec_steps"] <= 10
+
+
+def test_spec_with_preemption_and_chunking(pair):
+    target, draft = pair
+    from mixserve.models.config import ModelConfig
+
+    ps = prompts(6, seed=5, lo=10, hi=40)
+    ref = plain_outputs(target, ps)
+    t, d = ModelConfig.from_folder(target), ModelConfig.from_folder(draft)
+    per_block = 4 * (t.kv_bytes_per_token(4) + d.kv_bytes_per_token(4))
+    llm = LLM(target, dtype="float32", kv_cache_memory=50 * per_block, block_size=4, draft_model=draft,
+              num_speculative_tokens=3, speculation="fixed", max_num_batched_tokens=16, progress=False)
+    outs = llm.generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.proposer.bm.num_free_blocks == llm.engine.num_blocks
+
+
+def test_stop_inside_accepted_run(pair):
+    target, _ = pair
+    ps = prompts(1, seed=6)
+    ref = plain_outputs(target, ps)[0]
+    stop_tok = ref[7]
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=target, num_speculative_tokens=4,
+              speculation="fixed", progress=False)
+    out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref[:ref.index(stop_tok) + 1]
+    out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.token_ids == ref[:6] and out.finish_reason == "length"
+
+
+def test_ngram_proposer_greedy_equal(pair):
+    target, _ = pair
+    ps = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7]]
+    ref = plain_outputs(target, ps)
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model="ngram", num_speculative_tokens=3,
+              speculation="fixed", progress=False)
+    outs = llm.generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics["spec_proposed"] for o in outs) > 0
+
+
+def test_sampled_distribution_matches_plain(pair):
+    """Token frequencies at output positions 1-3, temperature 1, with and without a mismatched
+    draft: both samples come from the same distribution (per-position total variation)."""
+    target, draft = pair
+    prompt = [5, 6, 7]
+    n = 2000
+    sp = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+    plain = LLM(target, dtype="float32", kv_cache_memory="32MiB", progress=False)
+    spec = LLM(target, dtype="float32", kv_cache_memory="32MiB", draft_model=draft, num_speculative_tokens=2,
+               speculation="fixed", progress=False)
+    a = [o.token_ids for o in plain.generate([prompt] * n, sp)]
+    sp2 = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, seed=10_000 + i) for i in range(n)]
+    b_out = spec.generate([prompt] * n, sp2)
+    b = [o.token_ids for o in b_out]
+    assert sum(o.metrics["spec_proposed"] for o in b_out) > 0
+    for pos in range(3):
+        fa = torch.bincount(torch.tensor([x[pos] for x in a]), minlength=256).float() / n
+        fb = torch.bincount(torch.tensor([x[pos] for x in b]), minlength=256).float() / n
+        tv = 0.5 * (fa - fb).abs().sum().item()
+        # at most 2, 4, 8 outcomes: sampling noise in TV is ~0.01-0.04 at n=2000
+        assert tv < 0.08, (pos, tv)
+
+
+def test_vocab_mismatch_refused(tmp_path, pair):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    target, _ = pair
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="draft_model"):
+        LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=str(tmp_path / "other"), progress=False)
