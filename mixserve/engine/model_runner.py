@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from mixserve.kv.block_manager import BlockManager
-from mixserve.layers.attention import AttentionMetadata, PrefillSpan
+from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+
+# Decode rows are split into a new attention group once the next row's context is shorter than
+# _GROUP_RATIO of the group's longest and the group has _MIN_GROUP rows: less padding to gather.
+_GROUP_RATIO = 0.7
+_MIN_GROUP = 8
 from mixserve.models.config import ModelConfig
 
 
@@ -76,33 +81,28 @@ class ModelRunner:
 
     def prepare(self, items: list[BatchItem]) -> PreparedBatch:
         bs = self.block_size
-        decode = [it for it in items if it.end - it.start == 1]
+        # longest context first, so that groups of similar length form (see DecodeGroup)
+        decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
         multi = [it for it in items if it.end - it.start > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
         logit_rows: list[int] = []
-        if decode:
-            ctx = []
-            tables = []
-            for it in decode:
-                p = it.start
-                table = self.bm.block_table(it.seq_id)
-                ids.append(it.token_ids[p])
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                ctx.append(p + 1)
-                tables.append(table)
-            max_blocks = max(len(t) for t in tables)
-            bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-            ctx_t = torch.tensor(ctx)
-            ar = torch.arange(max_blocks * bs)
-            meta.num_decode = len(decode)
-            meta.decode_block_tables = bt
-            meta.decode_bias = torch.zeros(len(decode), max_blocks * bs).masked_fill_(
-                ar[None, :] >= ctx_t[:, None], float("-inf"))
-            logit_rows += [i for i, it in enumerate(decode) if it.num_logits]
+        group_start = 0
+        for i, it in enumerate(decode):
+            p = it.start
+            table = self.bm.block_table(it.seq_id)
+            ids.append(it.token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if it.num_logits:
+                logit_rows.append(i)
+            last = i + 1 == len(decode)
+            if last or (i + 1 - group_start >= _MIN_GROUP and
+                        decode[i + 1].start + 1 < _GROUP_RATIO * (decode[group_start].start + 1)):
+                self._decode_group(meta, decode, group_start, i + 1)
+                group_start = i + 1
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         for it in multi:
             row0 = len(ids)
@@ -125,6 +125,16 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.long),
             items=[it for it in decode + multi if it.num_logits],
         )
+
+    def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int) -> None:
+        bs = self.block_size
+        tables = [self.bm.block_table(it.seq_id) for it in decode[start:end]]
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        ctx = torch.tensor([it.start + 1 for it in decode[start:end]])
+        ar = torch.arange(max_blocks * bs)
+        bias = torch.zeros(end - start, max_blocks * bs).masked_fill_(ar[None, :] >= ctx[:, None], float("-inf"))
+        meta.decode_groups.append(DecodeGroup(start, end, bt, bias))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate K/V of src blocks into dst blocks in every layer."""

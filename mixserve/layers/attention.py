@@ -39,18 +39,32 @@ class AttentionMetadata:
 
     slot_mapping: LongTensor [T], cache slot for each token of the flat batch.
     num_decode: the first `num_decode` rows of the batch are decode rows (one query each).
-    decode_block_tables: LongTensor [num_decode, max_blocks], each decode row's block table,
-        padded with block 0 (whole blocks are gathered: 1/block_size as many indices as slots).
-    decode_bias: float32 [num_decode, max_blocks * block_size], 0 for real context positions,
-        -inf for padding and for the unwritten tail of the last block.
+    decode_groups: decode rows in groups of similar context length, each attended in one call.
     prefills: spans for the remaining rows.
     """
 
     slot_mapping: torch.Tensor
     num_decode: int = 0
-    decode_block_tables: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None
+    decode_groups: list["DecodeGroup"] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+@dataclass
+class DecodeGroup:
+    """Rows [start, end) of the batch, all decode rows, padded to a common context.
+
+    block_tables: LongTensor [rows, max_blocks], each row's block table padded with block 0
+        (whole blocks are gathered: 1/block_size as many indices as slots).
+    bias: float32 [rows, max_blocks * block_size], 0 for real context positions, -inf for
+        padding and the unwritten tail of the last block.
+    Rows are grouped by context length so that a short context is not padded to the longest one
+    in a large batch.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    bias: torch.Tensor
 
 
 def paged_attention(
@@ -81,10 +95,10 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode
     if nd:
-        bt = meta.decode_block_tables
-        kd = k_cache[bt].flatten(1, 2)  # [B, max_blocks * block_size, kvh, d]
-        vd = v_cache[bt].flatten(1, 2)
-        out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_bias, scale)
+        for g in meta.decode_groups:
+            kd = k_cache[g.block_tables].flatten(1, 2)  # [rows, max_blocks * block_size, kvh, d]
+            vd = v_cache[g.block_tables].flatten(1, 2)
+            out[g.start:g.end] = _decode_attention(q[g.start:g.end], kd, vd, g.bias, scale)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
         if span.gather is None:

@@ -1,0 +1,170 @@
+"""Speculative decoding, single stream, side by side in one run: plain target vs fixed k in
+{1, 2, 4} vs auto, on HumanEval (temperature 0) and ShareGPT (temperature 1), plus HF
+transformers' assisted generation on the HumanEval prompts.
+
+For every fixed k it also checks the cost model (Leviathan et al. 2023, §3.4): predicted
+speed-up = E(k) * t_target(1 row) / (k * t_draft + t_target(k+1 rows)), with α, t_draft and
+t_target measured in the same run, against the measured speed-up.
+
+    python benchmarks/spec_speed.py --prompts 6 --max-tokens 96 --out results/spec_speed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def run_config(eng, prompts, temperature, k_mode, max_tokens, seed=0):
+    """Generate for each prompt alone; returns totals and per-step timing."""
+    from mixserve import SamplingParams
+
+    mode, k = k_mode
+    eng.controller.mode = mode if eng.proposer else "off"
+    eng.controller.k_max = k
+    eng.controller.history.clear()
+    tokens = 0
+    elapsed = 0.0
+    acc = ev = prop = steps = 0
+    outs = []
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i)
+        t = time.perf_counter()
+        rid = eng.add_request(p, sp)
+        final = None
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    final = o
+        dt = time.perf_counter() - t
+        # decode speed: exclude the prefill (time to first token)
+        elapsed += dt - final.metrics["ttft"]
+        tokens += len(final.token_ids) - 1
+        m = final.metrics
+        acc += m["spec_accepted"]; ev += m["spec_evaluated"]; prop += m["spec_proposed"]; steps += m["spec_steps"]
+        outs.append(final.token_ids)
+    return {"tok_s": tokens / elapsed, "tokens": tokens, "alpha": acc / ev if ev else None,
+            "proposed": prop, "accepted": acc, "mean_accepted_per_step": acc / steps if steps else None,
+            "k_hist": {str(x): eng.controller.history.count(x) for x in set(eng.controller.history)}}, outs
+
+
+def step_costs(eng, prompt, ks):
+    """Median seconds of a target forward over r rows (r = 1 and k+1) and of a draft forward
+    (1 row), measured on the engine's own model runners with a real context."""
+    from mixserve.engine.model_runner import BatchItem
+
+    ids = list(prompt)
+    res = {}
+    for name, runner, bm in (("target", eng.runner, eng.block_manager), ("draft", eng.proposer.runner, eng.proposer.bm)):
+        sid = -1000 - len(res)
+        bm.append_slots(sid, 0, len(ids) + 8)
+        runner.run([BatchItem(sid, ids, 0, len(ids), 1)])
+        for r in sorted({1} | {k + 1 for k in ks}):
+            if name == "draft" and r > 1:
+                continue
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                runner.run([BatchItem(sid, ids + [0] * r, len(ids), len(ids) + r, r)])
+                times.append(time.perf_counter() - t)
+            res[f"{name}_{r}"] = sorted(times)[2]
+        bm.free(sid)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out", default="results/spec_speed.json")
+    a = ap.parse_args()
+
+    from mixserve.bench.datasets import load_humaneval, load_sharegpt
+    from mixserve.cli import machine_info
+    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.spec.controller import expected_tokens
+
+    eng = LLMEngine(EngineArgs(model=a.target, dtype=a.dtype, draft_model=a.draft, kv_cache_memory="1GiB",
+                               progress=False))
+    tok = eng.tokenizer
+    he = [tok.encode(r.prompt) for r in load_humaneval(a.prompts)]
+    sg = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
+                                              add_generation_prompt=True))
+          for r in load_sharegpt(tok, a.prompts, seed=0, max_prompt_len=512)]
+    configs = [("plain", ("off", 0)), ("k=1", ("fixed", 1)), ("k=2", ("fixed", 2)), ("k=4", ("fixed", 4)),
+               ("auto", ("auto", 4))]
+    results = {"config": vars(a), "machine": machine_info(), "datasets": {}}
+    costs = step_costs(eng, he[0], [1, 2, 4])
+    results["step_costs_s"] = costs
+    for ds, prompts, temp in (("humaneval", he, 0.0), ("sharegpt", sg, 1.0)):
+        rows = {}
+        plain_out = None
+        for name, km in configs:
+            r, outs = run_config(eng, prompts, temp, km, a.max_tokens)
+            if name == "plain":
+                plain_out = outs
+            elif temp == 0:
+                r["identical_to_plain"] = sum(x == y for x, y in zip(outs, plain_out))
+            rows[name] = r
+            print(ds, name, {k: v for k, v in r.items() if k != "k_hist"}, r["k_hist"], flush=True)
+        base = rows["plain"]["tok_s"]
+        for name, km in configs[1:]:
+            rows[name]["speedup"] = rows[name]["tok_s"] / base
+            k = km[1]
+            if km[0] == "fixed" and rows[name]["alpha"] is not None:
+                al = rows[name]["alpha"]
+                pred = expected_tokens(al, k) * costs["target_1"] / (k * costs["draft_1"] + costs[f"target_{k + 1}"])
+                rows[name]["predicted_speedup"] = pred
+                rows[name]["prediction_error"] = pred / rows[name]["speedup"] - 1
+        best = max(rows[n]["tok_s"] for n in ("plain", "k=1", "k=2", "k=4"))
+        rows["auto"]["auto_vs_best"] = rows["auto"]["tok_s"] / best
+        results["datasets"][ds] = rows
+    results["c"] = costs["draft_1"] / costs["target_1"]
+    print("c = draft step / target step =", round(results["c"], 3))
+
+    if not a.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        dt = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+        tgt = AutoModelForCausalLM.from_pretrained(str(eng.model_dir), dtype=dt).eval()
+        from mixserve.models.loader import convert_gguf
+        from mixserve.models.registry import resolve_model
+
+        dr = AutoModelForCausalLM.from_pretrained(str(convert_gguf(resolve_model(a.draft).path)), dtype=dt).eval()
+        hf = {}
+        for name, assistant in (("plain", None), ("assisted", dr)):
+            el, n = 0.0, 0
+            outs = []
+            for p in he:
+                ids = torch.tensor([p])
+                kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+                with torch.inference_mode():
+                    t = time.perf_counter()
+                    model_out = tgt.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+                    t1 = time.perf_counter() - t
+                    t = time.perf_counter()
+                    model_out = tgt.generate(ids, max_new_tokens=a.max_tokens, min_new_tokens=a.max_tokens,
+                                             assistant_model=assistant, **kw)
+                    el += time.perf_counter() - t - t1
+                n += a.max_tokens - 1
+                outs.append(model_out[0, len(p):].tolist())
+            hf[name] = {"tok_s": n / el, "outs": outs}
+        hf["assisted"]["speedup"] = hf["assisted"]["tok_s"] / hf["plain"]["tok_s"]
+        hf["assisted"]["identical_to_plain"] = sum(x == y for x, y in zip(hf["assisted"]["outs"], hf["plain"]["outs"]))
+        for v in hf.values():
+            v.pop("outs")
+        results["hf_humaneval"] = hf
+        print("HF", hf)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
