@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+    p.add_argument("--draft-model", default=None,
+                   help="speculative decoding: draft model (same vocabulary) or 'ngram' for prompt lookup")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="largest k proposed per step (default %(default)s)")
+    p.add_argument("--speculation", default=d.speculation, choices=["auto", "fixed", "off"],
+                   help="auto: pick k per step from measured acceptance and costs; fixed: always k")
 
 
 def engine_args(a: argparse.Namespace, **over):
@@ -63,6 +69,7 @@ def cmd_generate(a) -> int:
     from mixserve.llm import LLM
 
     llm = LLM(**vars(engine_args(a)))
+    print(llm.engine.describe(), file=sys.stderr)
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                         seed=a.seed, stop=a.stop)
     prompts = a.prompt
@@ -89,12 +96,17 @@ def cmd_bench(a) -> int:
                         "seed": a.seed, "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
                         "temperature": a.temperature, "block_size": a.block_size,
                         "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
-                        "max_num_batched_tokens": a.max_num_batched_tokens}
+                        "max_num_batched_tokens": a.max_num_batched_tokens, "draft_model": a.draft_model,
+                        "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation}
     report["machine"] = machine_info()
     print(format_table(report))
     ex = report["extra"]
     print(f"peak KV blocks in use {ex['peak_kv_blocks']}/{ex['kv_blocks_total']}, "
           f"peak running {ex['peak_running_seqs']}, preemptions {ex['preemptions']}")
+    if "spec_alpha" in ex:
+        print(f"speculation: proposed {ex['spec_proposed']}, accepted {ex['spec_accepted']}, "
+              f"alpha {ex['spec_alpha']:.3f}, mean accepted per step {ex['spec_mean_accepted_per_step']:.2f}, "
+              f"c {ex['spec_c']}")
     out = Path(a.output or f"results/bench-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.save_outputs:

@@ -50,4 +50,15 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         "preemptions": engine.scheduler.num_preemptions,
         "engine_steps": engine.num_steps,
     }
+    if engine.proposer is not None:
+        m = [o.metrics for o in outs]
+        acc, ev = sum(x["spec_accepted"] for x in m), sum(x["spec_evaluated"] for x in m)
+        steps = sum(x["spec_steps"] for x in m)
+        c = engine.controller.c(1)
+        extra.update(spec_proposed=sum(x["spec_proposed"] for x in m), spec_accepted=acc,
+                     spec_alpha=acc / ev if ev else float("nan"),
+                     spec_mean_accepted_per_step=acc / steps if steps else float("nan"),
+                     spec_c=None if c is None else round(c, 3),
+                     spec_k_histogram={str(k): engine.controller.history.count(k)
+                                       for k in sorted(set(engine.controller.history))})
     return build_report(metrics, duration, extra), outs

@@ -281,7 +281,9 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-        if k:
+        # With a draft model, prefill chunks also run through the draft in the same step, so
+        # the draft's prefill counts in TTFT rather than in the first speculative step.
+        if k or (self.controller.mode != "off" and any(s.num_new_tokens > 1 for s in sched.scheduled)):
             return self._spec_step(sched, k)
         items = [BatchItem(s.seq.seq_id, s.seq.token_ids, s.start, s.end, int(s.samples)) for s in sched.scheduled]
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
@@ -308,7 +310,7 @@ class LLMEngine:
         decode = [s for s in sched.scheduled if s.lookahead]
         prefill = [s for s in sched.scheduled if not s.lookahead]
         t0 = time.perf_counter()
-        extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill])
+        extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill if s.num_new_tokens > 1])
         props = self.proposer.propose([s.seq for s in decode], k, extra)
         t1 = time.perf_counter()
         if decode and self.proposer.num_forwards:

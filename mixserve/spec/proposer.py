@@ -64,6 +64,10 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], k: int, extra_items: list[BatchItem] = ()) -> list[Proposal]:
         """Propose k tokens for each sequence (each has all but its last token in the target
         cache). `extra_items` (draft prefill chunks) ride along in the first forward."""
+        if k == 0:
+            if extra_items:
+                self.runner.run(list(extra_items))
+            return [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(k):
