@@ -37,6 +37,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(sampling_params, tuple):
+            sampling_params = list(sampling_params)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -46,7 +48,7 @@ class LLM:
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.engine.add_request(p, sp))
-        except ValueError:
+        except Exception:
             for rid in ids:
                 self.engine.abort(rid)
             raise

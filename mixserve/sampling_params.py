@@ -1,6 +1,7 @@
 """Per-request sampling parameters (the OpenAI / vLLM set)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -50,8 +51,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is not None and not (isinstance(self.stop, (list, tuple))
+                                          and all(isinstance(x, str) for x in self.stop)):
+            raise ValueError(f"stop: must be a string or a list of strings (got {self.stop!r})")
+        self.stop = [x for x in (self.stop or []) if x]
+        ids = self.stop_token_ids or []
+        if not (isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids)):
+            raise ValueError(f"stop_token_ids: must be a list of non-negative integers (got {ids!r})")
+        self.stop_token_ids = list(ids)
         self.validate()
 
     @property
@@ -59,19 +66,29 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Check ranges; raise ValueError naming the offending field."""
+        """Check types and ranges; raise ValueError naming the offending field."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                bad(name, "must be an integer")
+        if self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", "must be <= max_tokens")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            # 1/T overflows float32 for tiny T; such a temperature is greedy in all but name
+            bad("temperature", f"must be 0 (greedy) or >= {_MIN_TEMPERATURE}")
+        if self.top_k < -1:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
@@ -83,7 +100,20 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be > 0")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [0, 2**63)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be true or false")
+
+
+_MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

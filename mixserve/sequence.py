@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    emitted_chars: int = 0  # characters of `text` already handed out as new_text (streaming)
     # incremental detokenization offsets into output ids (see engine/detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0

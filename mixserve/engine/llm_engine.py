@@ -82,6 +82,21 @@ class EngineArgs:
     speculation: str = "auto"
 
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len: must be an integer >= 2 (got {self.max_model_len!r})")
+        if self.speculation not in ("auto", "fixed", "off"):
+            raise ValueError(f"speculation: must be auto, fixed or off (got {self.speculation!r})")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: must be an integer >= 0 (got {self.num_speculative_tokens!r})")
+        parse_bytes(self.kv_cache_memory)
+
+
 @dataclass
 class RequestOutput:
     """One request's state after a step (final when `finished`).
@@ -161,6 +176,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, loaded=None):
+        args.validate()
         self.args = args
         self.dtype = parse_dtype(args.dtype)
         t0 = time.perf_counter()
@@ -168,6 +184,9 @@ class LLMEngine:
             args.model, self.dtype, args.max_model_len, args.progress)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
+        if self.max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's context "
+                             f"({self.cfg.max_position_embeddings} tokens)")
         dtype_bytes = torch.finfo(self.dtype).bits // 8
         kv_bytes = parse_bytes(args.kv_cache_memory)
         self.draft_cfg = None
@@ -186,7 +205,7 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {args.kv_cache_memory!r} holds no block of {self.block_bytes} bytes")
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
         self.sampler = Sampler()
         self.proposer = None
@@ -230,7 +249,14 @@ class LLMEngine:
                 raise ValueError("prompt: must not be empty")
             text, ids = prompt, self.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
+            if hasattr(prompt, "tolist"):  # torch / numpy arrays of ids
+                prompt = prompt.tolist()
+            if not isinstance(prompt, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt: must be a non-empty string or a list of integer token ids")
+            text, ids = None, list(prompt)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
         if not ids:
             raise ValueError("prompt: must not be empty")
         if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
@@ -244,7 +270,10 @@ class LLMEngine:
         if self.block_manager.blocks_for(total) > self.num_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:  # skip ids a caller chose explicitly
+                request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params)
@@ -290,12 +319,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         logits, rows = self.runner.run(items, sched.copies)
         self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens = s.end
         outputs = []
+        sampled = None
         if rows:
             seqs = [by_id[it.seq_id] for it in rows]
             sampled = self.sampler(logits, self._sampling_metadata(seqs))
+        # only now: if sampling raised, the step can be rerun with nothing half-applied
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens = s.end
+        if rows:
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
@@ -311,10 +343,10 @@ class LLMEngine:
         prefill = [s for s in sched.scheduled if not s.lookahead]
         t0 = time.perf_counter()
         extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill if s.num_new_tokens > 1])
-        props = self.proposer.propose([s.seq for s in decode], k, extra)
+        props = self.proposer.propose([s.seq for s in decode], [s.lookahead for s in decode], extra)
         t1 = time.perf_counter()
         if decode and self.proposer.num_forwards:
-            self.controller.draft.record(len(decode), (t1 - t0) / k)
+            self.controller.draft.record(len(decode), (t1 - t0) / max(s.lookahead for s in decode))
         drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
         items = []
@@ -325,8 +357,6 @@ class LLMEngine:
         logits, rows = self.runner.run(items, sched.copies)
         self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
-        for s in prefill:
-            s.seq.num_computed_tokens = s.end
         # one metadata row per verified position: output ids include the drafts before it
         row_seqs, row_extra = [], []
         for it in rows:
@@ -335,6 +365,8 @@ class LLMEngine:
                 row_seqs.append(by_id[it.seq_id])
                 row_extra.append(d[:t])
         processed = process_logits(logits, self._sampling_metadata(row_seqs, row_extra))
+        for s in prefill:
+            s.seq.num_computed_tokens = s.end
         outputs, r, now = [], 0, time.perf_counter()
         for it in rows:
             seq, m = by_id[it.seq_id], it.num_logits
@@ -355,10 +387,13 @@ class LLMEngine:
             lps = (self.sampler._logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
                    if seq.params.logprobs is not None else [None] * len(toks))
             seq.num_computed_tokens = n_before
+            texts = []
             for tok, lp in zip(toks, lps):
                 out = self._append_token(seq, tok, lp, now)
+                texts.append(out.new_text)
                 if out.finished:
                     break
+            out.new_text = "".join(texts)
             if not out.finished:
                 seq.num_computed_tokens = seq.num_tokens - 1
                 self.block_manager.truncate(seq.seq_id, seq.num_tokens)
@@ -395,6 +430,7 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        # `new_text` is what detokenization added; what the caller sees is _releasable_text()
         n_out = seq.num_output_tokens
         reason = None
         if not p.ignore_eos and tok in self.cfg.eos_token_ids and n_out >= p.min_tokens:
@@ -404,9 +440,7 @@ class LLMEngine:
         elif p.stop and new_text and n_out >= p.min_tokens:
             hit = find_stop_string(seq.text, len(new_text), p.stop)
             if hit is not None:
-                cut = hit[0]
-                new_text = new_text[:max(0, len(new_text) - (len(seq.text) - cut))]
-                seq.text = seq.text[:cut]
+                seq.text = seq.text[:hit[0]]
                 reason, seq.stop_reason = "stop", hit[1]
         if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -415,7 +449,18 @@ class LLMEngine:
             seq.finish_time = now
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
-        return self.make_output(seq, new_text)
+        return self.make_output(seq, self._releasable_text(seq))
+
+    @staticmethod
+    def _releasable_text(seq: Sequence) -> str:
+        """Text that can be streamed now. While running, the last len(longest stop) - 1
+        characters are held back: they may yet turn out to start a stop string, which is never
+        shown. Every character is released exactly once, so the pieces join to `seq.text`."""
+        hold = 0 if seq.finish_reason else max((len(x) for x in seq.params.stop), default=1) - 1
+        upto = max(seq.emitted_chars, len(seq.text) - hold)
+        piece = seq.text[seq.emitted_chars:upto]
+        seq.emitted_chars = upto
+        return piece
 
     def make_output(self, seq: Sequence, new_text: str = "") -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None

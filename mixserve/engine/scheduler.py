@@ -56,10 +56,13 @@ class Scheduler:
         block_manager: the KV block allocator.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens in one step (decode rows count 1).
+        max_model_len: context limit in tokens (caps speculative lookahead).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int = 1 << 62):
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -83,8 +86,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            la = lookahead if seq.num_uncomputed_tokens == 1 and budget > lookahead else 0
+            la = 0
+            if seq.num_uncomputed_tokens == 1:
+                # never speculate past what the request may still emit or the context can hold
+                room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+                la = max(0, min(lookahead, room - 1, budget - 1))
             start = seq.num_computed_tokens
+            if la and not self.bm.can_append(seq.seq_id, start, start + n + la):
+                la = 0  # speculation is optional: drop it before preempting anyone
             while not self.bm.can_append(seq.seq_id, start, start + n + la):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -61,9 +61,10 @@ class DraftModelProposer:
             self.computed[seq.seq_id] = end
         return items
 
-    def propose(self, seqs: list[Sequence], k: int, extra_items: list[BatchItem] = ()) -> list[Proposal]:
-        """Propose k tokens for each sequence (each has all but its last token in the target
-        cache). `extra_items` (draft prefill chunks) ride along in the first forward."""
+    def propose(self, seqs: list[Sequence], ks: list[int], extra_items: list[BatchItem] = ()) -> list[Proposal]:
+        """Propose ks[i] tokens for seqs[i] (each has all but its last token in the target cache).
+        `extra_items` (draft prefill chunks) ride along in the first forward."""
+        k = max(ks, default=0)
         if k == 0:
             if extra_items:
                 self.runner.run(list(extra_items))
@@ -71,33 +72,30 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for step in range(k):
+            active = [i for i, ki in enumerate(ks) if ki > step]
             items = list(extra_items) if step == 0 else []
-            for s, d in zip(seqs, drafts):
+            for i in active:
+                s, d = seqs[i], drafts[i]
                 toks = s.token_ids + d
                 start = self.computed.get(s.seq_id, 0) if step == 0 else len(toks) - 1
                 self.bm.append_slots(s.seq_id, start, len(toks))
                 items.append(BatchItem(s.seq_id, toks, start, len(toks), 1))
             logits, rows = self.runner.run(items)
             self.num_forwards += 1
-            by_id = {it.seq_id: i for i, it in enumerate(rows)}
-            logits = logits[[by_id[s.seq_id] for s in seqs]]
-            meta = self.meta_fn(seqs, drafts)
-            processed = process_logits(logits, meta)
-            greedy = [s.params.greedy for s in seqs]
-            if all(greedy):
-                toks = processed.argmax(-1).tolist()
-            else:
-                probs = probs_from_logits(processed)
-                toks = []
-                for i, s in enumerate(seqs):
-                    if greedy[i]:
-                        toks.append(int(processed[i].argmax()))
-                    else:
-                        toks.append(int(torch.multinomial(probs[i], 1, generator=s.generator)))
-                        qs[i].append(probs[i])
-            for s, d, t in zip(seqs, drafts, toks):
-                d.append(t)
-                self.computed[s.seq_id] = s.num_tokens + len(d) - 1
+            by_id = {it.seq_id: r for r, it in enumerate(rows)}
+            aseqs = [seqs[i] for i in active]
+            logits = logits[[by_id[s.seq_id] for s in aseqs]]
+            processed = process_logits(logits, self.meta_fn(aseqs, [drafts[i] for i in active]))
+            probs = None if all(s.params.greedy for s in aseqs) else probs_from_logits(processed)
+            for r, i in enumerate(active):
+                s = seqs[i]
+                if s.params.greedy:
+                    t = int(processed[r].argmax())
+                else:
+                    t = int(torch.multinomial(probs[r], 1, generator=s.generator))
+                    qs[i].append(probs[r])
+                drafts[i].append(t)
+                self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1
         return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
 
     def rollback(self, seq: Sequence, valid_tokens: int) -> None:
@@ -125,8 +123,8 @@ class NgramProposer:
     def prefill(self, chunks) -> list[BatchItem]:
         return []
 
-    def propose(self, seqs: list[Sequence], k: int, extra_items=()) -> list[Proposal]:
-        return [Proposal(self._lookup(s.token_ids, k)) for s in seqs]
+    def propose(self, seqs: list[Sequence], ks: list[int], extra_items=()) -> list[Proposal]:
+        return [Proposal(self._lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
 
     def _lookup(self, toks: list[int], k: int) -> list[int]:
         n_tok = len(toks)

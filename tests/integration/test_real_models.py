@@ -79,3 +79,33 @@ def test_qwen05_eos_ids(qwen05_path):
     cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False))
     assert set(cfg.eos_token_ids) == {151645, 151643}
     assert not cfg.tie_word_embeddings and cfg.attention_bias
+
+
+def _stream(engine, prompt, sp):
+    engine.add_request(prompt, sp)
+    pieces, final = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            pieces.append(o.new_text)
+            if o.finished:
+                final = o
+    return "".join(pieces), final
+
+
+def test_smollm2_streamed_pieces_join_to_text(smol):
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    full = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    stop = full[5:12]  # spans several tokens
+    for sp in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])):
+        joined, final = _stream(smol.engine, prompt, sp)
+        assert joined == final.text
+        assert stop not in final.text or not sp.stop
+
+
+def test_smollm2_streaming_with_speculation(smollm2_path):
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", draft_model="ngram",
+              num_speculative_tokens=4, speculation="fixed", progress=False)
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    joined, final = _stream(llm.engine, prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert joined == final.text and final.metrics["spec_accepted"] > 0
