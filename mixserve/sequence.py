@@ -84,10 +84,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def alpha(self, prior_accepted: float = 1.0, prior_evaluated: float = 2.0) -> float:
-        """Smoothed acceptance rate α = accepted / evaluated (Beta-prior smoothing, default 0.5)."""
-        return (self.spec_accepted + prior_accepted) / (self.spec_evaluated + prior_evaluated)
-
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

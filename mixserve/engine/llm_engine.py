@@ -302,7 +302,8 @@ class LLMEngine:
         if self.proposer is not None:
             decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
             prefill_tokens = sum(s.num_uncomputed_tokens for s in self.scheduler.running) - len(decoding)
-            k = self.controller.choose([s.alpha() for s in decoding], prefill_tokens)
+            alphas = [self.controller.alpha_for(s.spec_accepted, s.spec_evaluated) for s in decoding]
+            k = self.controller.choose(alphas, prefill_tokens)
         sched = self.scheduler.schedule(lookahead=k)
         if not sched.scheduled:
             return []
@@ -345,8 +346,8 @@ class LLMEngine:
         extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill if s.num_new_tokens > 1])
         props = self.proposer.propose([s.seq for s in decode], [s.lookahead for s in decode], extra)
         t1 = time.perf_counter()
-        if decode and self.proposer.num_forwards:
-            self.controller.draft.record(len(decode), (t1 - t0) / max(s.lookahead for s in decode))
+        if decode and self.proposer.step_time is not None:
+            self.controller.draft.record(len(decode), self.proposer.step_time)
         drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
         items = []
@@ -384,6 +385,7 @@ class LLMEngine:
                 seq.spec_proposed += len(d)
                 seq.spec_accepted += j
                 seq.spec_evaluated += j + (j < len(d))
+                self.controller.observe(j, j + (j < len(d)))
             lps = (self.sampler._logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
                    if seq.params.logprobs is not None else [None] * len(toks))
             seq.num_computed_tokens = n_before

@@ -73,6 +73,23 @@ class SpecController:
         self.target = StepCostTable()
         self.draft = StepCostTable()
         self.history: list[int] = []
+        # engine-wide acceptance (decayed counts): the prior for requests with little history,
+        # so that a new request is not stuck at k = 0 by a pessimistic fixed prior
+        self._acc = 0.0
+        self._ev = 0.0
+
+    def observe(self, accepted: int, evaluated: int, decay: float = 0.99) -> None:
+        """Record one verification's accepted / evaluated draft positions."""
+        self._acc = decay * self._acc + accepted
+        self._ev = decay * self._ev + evaluated
+
+    @property
+    def alpha_global(self) -> float:
+        return (self._acc + 1.0) / (self._ev + 2.0)
+
+    def alpha_for(self, accepted: int, evaluated: int, weight: float = 4.0) -> float:
+        """A request's smoothed α: its own counts plus `weight` pseudo-positions at the engine-wide α."""
+        return (accepted + weight * self.alpha_global) / (evaluated + weight)
 
     def c(self, rows: int = 1) -> float | None:
         """Measured draft step time / target step time at `rows` rows."""

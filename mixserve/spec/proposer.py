@@ -3,6 +3,7 @@ prompt lookup (Saxena 2023, "prompt lookup decoding") that needs no model at all
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,7 @@ class DraftModelProposer:
         self.meta_fn = meta_fn
         self.computed: dict[int, int] = {}
         self.num_forwards = 0
+        self.step_time: float | None = None  # seconds of one plain draft step, last round
 
     def prefill(self, chunks: list[tuple[Sequence, int, int]]) -> list[BatchItem]:
         """Draft items mirroring target prefill chunks (positions [start, end)), no logits."""
@@ -71,7 +73,9 @@ class DraftModelProposer:
             return [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        times = []
         for step in range(k):
+            t0 = time.perf_counter()
             active = [i for i, ki in enumerate(ks) if ki > step]
             items = list(extra_items) if step == 0 else []
             for i in active:
@@ -96,6 +100,10 @@ class DraftModelProposer:
                     qs[i].append(probs[r])
                 drafts[i].append(t)
                 self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1
+            times.append(time.perf_counter() - t0)
+        # The first forward also catches up on unseen tokens and prefill chunks; a later one is
+        # the plain one-token step that the cost model wants, when there is one.
+        self.step_time = min(times[1:]) if len(times) > 1 else (times[0] if not extra_items else None)
         return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
 
     def rollback(self, seq: Sequence, valid_tokens: int) -> None:
@@ -119,6 +127,7 @@ class NgramProposer:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.num_forwards = 0
+        self.step_time = 0.0  # no model: proposing is free next to a forward pass
 
     def prefill(self, chunks) -> list[BatchItem]:
         return []
