@@ -127,6 +127,16 @@ def main():
         rows["auto"]["auto_vs_best"] = rows["auto"]["tok_s"] / best
         results["datasets"][ds] = rows
     results["c"] = costs["draft_1"] / costs["target_1"]
+    # where speculation stops paying: the α at which k proposals break even with plain decoding
+    results["break_even_alpha"] = {}
+    for k in (1, 2, 4):
+        cost = (k * costs["draft_1"] + costs[f"target_{k + 1}"]) / costs["target_1"]
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if expected_tokens(mid, k) < cost else (lo, mid)
+        results["break_even_alpha"][k] = round(hi, 3)
+    print("break-even alpha per k:", results["break_even_alpha"])
     print("c = draft step / target step =", round(results["c"], 3))
 
     if not a.no_hf:

@@ -386,7 +386,7 @@ class LLMEngine:
                 seq.spec_accepted += j
                 seq.spec_evaluated += j + (j < len(d))
                 self.controller.observe(j, j + (j < len(d)))
-            lps = (self.sampler._logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
+            lps = (self.sampler.logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
                    if seq.params.logprobs is not None else [None] * len(toks))
             seq.num_computed_tokens = n_before
             texts = []

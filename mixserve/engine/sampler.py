@@ -331,11 +331,13 @@ class Sampler:
             tokens[s_idx] = drawn
 
         token_list = tokens.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, tokens, token_list, params))
+        return SamplerOutput(token_ids=token_list, logprobs=self.logprobs(raw, tokens, token_list, params))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
                   params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+        """Raw-distribution log-probabilities of `tokens` [N] under `raw` logits [N, V] (float32),
+        plus the top-n alternatives for rows whose params ask for logprobs (None elsewhere)."""
         result: list[TokenLogprobs | None] = [None] * len(params)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:

@@ -1,0 +1,61 @@
+"""The k chooser: expected tokens per second from measured step costs (Leviathan et al. §3.4)."""
+import pytest
+
+from mixserve.spec.controller import SpecController, StepCostTable, expected_tokens
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_cost_table_interpolates():
+    t = StepCostTable()
+    assert t.estimate(3) is None
+    t.record(1, 1.0)
+    t.record(4, 2.0)
+    assert t.estimate(1) == 1.0 and t.estimate(4) == 2.0
+    assert t.estimate(2) == pytest.approx(1.0 + (2 - 1) / 3)  # bucket(2) = 2 was never measured
+    assert t.estimate(16) == pytest.approx(8.0)  # proportional above the largest bucket
+
+
+def flat_costs(c, k_max=4):
+    ctl = SpecController("auto", k_max)
+    for rows in (1, 2, 4, 8):
+        ctl.target.record(rows, 1.0)  # a few rows cost the same as one: bandwidth-bound decode
+    ctl.draft.record(1, c)
+    return ctl
+
+
+def test_auto_speculates_when_it_pays_and_stops_when_not():
+    ctl = flat_costs(c=0.3)
+    assert ctl.choose([0.9], 0) == 4  # E(4)/(1+1.2) = 1.86 beats plain
+    assert ctl.choose([0.05], 0) == 0  # hardly anything accepted: the draft is pure cost
+    mid = ctl.choose([0.6], 0)
+    rates = {k: expected_tokens(0.6, k) / (1 + 0.3 * k) for k in range(5)}
+    assert mid == max(rates, key=rates.get)
+
+
+def test_auto_explores_unmeasured_costs_first():
+    ctl = SpecController("auto", 2)
+    assert ctl.choose([0.5], 0) == 2  # nothing measured: try the largest k
+    ctl.target.record(3, 1.0)
+    ctl.draft.record(1, 0.3)
+    assert ctl.choose([0.5], 0) == 1  # rows 2 not measured yet
+
+
+def test_fixed_and_off():
+    assert SpecController("fixed", 3).choose([0.1], 0) == 3
+    assert SpecController("off", 3).choose([0.9], 0) == 0
+    with pytest.raises(ValueError, match="speculation"):
+        SpecController("sometimes", 3)
+
+
+def test_global_alpha_prior():
+    ctl = SpecController("auto", 4)
+    for _ in range(50):
+        ctl.observe(4, 4)
+    assert ctl.alpha_global > 0.9
+    assert ctl.alpha_for(0, 0) == pytest.approx(ctl.alpha_global)
+    assert ctl.alpha_for(0, 100) < 0.1
