@@ -12,7 +12,8 @@ import math
 
 
 class StepCostTable:
-    """Exponential moving average of measured seconds per forward, bucketed by rows (powers of 2).
+    """Exponential moving average of measured seconds per forward, by row count (exact up to 16
+    rows, then powers of 2).
 
     estimate(rows) interpolates linearly between measured buckets, is flat below the smallest and
     proportional to rows above the largest; None when nothing is measured yet.
@@ -24,7 +25,10 @@ class StepCostTable:
 
     @staticmethod
     def bucket(rows: int) -> int:
-        return 1 << max(0, math.ceil(math.log2(max(1, rows))))
+        # exact for the few rows of single-stream verification, where k choices differ by a row
+        if rows <= 16:
+            return max(1, rows)
+        return 1 << math.ceil(math.log2(rows))
 
     def record(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)

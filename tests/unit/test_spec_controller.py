@@ -16,13 +16,14 @@ def test_cost_table_interpolates():
     t.record(1, 1.0)
     t.record(4, 2.0)
     assert t.estimate(1) == 1.0 and t.estimate(4) == 2.0
-    assert t.estimate(2) == pytest.approx(1.0 + (2 - 1) / 3)  # bucket(2) = 2 was never measured
-    assert t.estimate(16) == pytest.approx(8.0)  # proportional above the largest bucket
+    assert t.estimate(2) == pytest.approx(1.0 + (2 - 1) / 3)  # 2 rows never measured: interpolated
+    assert t.estimate(16) == pytest.approx(8.0)  # proportional above the largest measured
+    assert StepCostTable.bucket(5) == 5 and StepCostTable.bucket(17) == 32
 
 
 def flat_costs(c, k_max=4):
     ctl = SpecController("auto", k_max)
-    for rows in (1, 2, 4, 8):
+    for rows in range(1, 6):
         ctl.target.record(rows, 1.0)  # a few rows cost the same as one: bandwidth-bound decode
     ctl.draft.record(1, c)
     return ctl
@@ -42,7 +43,7 @@ def test_auto_explores_unmeasured_costs_first():
     assert ctl.choose([0.5], 0) == 2  # nothing measured: try the largest k
     ctl.target.record(3, 1.0)
     ctl.draft.record(1, 0.3)
-    assert ctl.choose([0.5], 0) == 1  # rows 2 not measured yet
+    assert ctl.choose([0.5], 0) == 1  # 2 rows (k = 1) not measured yet
 
 
 def test_fixed_and_off():
