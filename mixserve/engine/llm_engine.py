@@ -319,7 +319,6 @@ class LLMEngine:
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         t0 = time.perf_counter()
         logits, rows = self.runner.run(items, sched.copies)
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
         outputs = []
         sampled = None
         if rows:
@@ -332,6 +331,8 @@ class LLMEngine:
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
+        # the cost model compares whole steps: forward, sampling and output handling
+        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
         self.num_steps += 1
         return outputs
 
@@ -342,7 +343,6 @@ class LLMEngine:
         roll back past what was kept."""
         decode = [s for s in sched.scheduled if s.lookahead]
         prefill = [s for s in sched.scheduled if not s.lookahead]
-        t0 = time.perf_counter()
         extra = self.proposer.prefill([(s.seq, s.start, s.end) for s in prefill if s.num_new_tokens > 1])
         props = self.proposer.propose([s.seq for s in decode], [s.lookahead for s in decode], extra)
         t1 = time.perf_counter()
@@ -356,7 +356,6 @@ class LLMEngine:
             items.append(BatchItem(s.seq.seq_id, s.seq.token_ids + d, s.start, s.end + len(d),
                                    len(d) + 1 if s.samples else 0))
         logits, rows = self.runner.run(items, sched.copies)
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         # one metadata row per verified position: output ids include the drafts before it
         row_seqs, row_extra = [], []
@@ -402,6 +401,8 @@ class LLMEngine:
                 self.proposer.rollback(seq, seq.num_tokens - 1)
             outputs.append(out)
             r += m
+        # verification cost = target forward + accept/reject + output handling (draft excluded)
+        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
         self.num_steps += 1
         return outputs
 
