@@ -19,9 +19,11 @@ class StepCostTable:
     proportional to rows above the largest; None when nothing is measured yet.
     """
 
-    def __init__(self, decay: float = 0.8):
+    def __init__(self, decay: float = 0.8, keep: int = 256):
         self.decay = decay
+        self.keep = keep
         self.buckets: dict[int, float] = {}
+        self.samples: dict[int, list[float]] = {}  # last `keep` raw timings per bucket
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -34,6 +36,14 @@ class StepCostTable:
         b = self.bucket(rows)
         old = self.buckets.get(b)
         self.buckets[b] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        xs = self.samples.setdefault(b, [])
+        xs.append(seconds)
+        del xs[:-self.keep]
+
+    def median(self, rows: int) -> float | None:
+        """Median of the raw timings at `rows` (robust to a noisy neighbour; for reports)."""
+        xs = sorted(self.samples.get(self.bucket(rows), []))
+        return xs[len(xs) // 2] if xs else None
 
     def has(self, rows: int) -> bool:
         return self.bucket(rows) in self.buckets
