@@ -68,10 +68,11 @@ def cmd_generate(a) -> int:
     from mixserve import SamplingParams
     from mixserve.llm import LLM
 
-    llm = LLM(**vars(engine_args(a)))
-    print(llm.engine.describe(), file=sys.stderr)
+    # checked before the (slow) model load
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                         seed=a.seed, stop=a.stop)
+    llm = LLM(**vars(engine_args(a)))
+    print(llm.engine.describe(), file=sys.stderr)
     prompts = a.prompt
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp) if a.chat else llm.generate(prompts, sp)
     for o in outs:
@@ -101,8 +102,10 @@ def cmd_bench(a) -> int:
     report["machine"] = machine_info()
     print(format_table(report))
     ex = report["extra"]
-    print(f"peak KV blocks in use {ex['peak_kv_blocks']}/{ex['kv_blocks_total']}, "
-          f"peak running {ex['peak_running_seqs']}, preemptions {ex['preemptions']}")
+    for tag, r in report.get("per_tag", {}).items():
+        print(f"[{tag}] {r['num_requests']} requests, {r['output_tokens']} output tokens, "
+              f"TTFT p50 {r['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {r['tpot_s']['p50'] * 1e3:.1f} ms, "
+              f"E2E p50 {r['e2e_s']['p50']:.2f} s")
     if "spec_alpha" in ex:
         print(f"speculation: proposed {ex['spec_proposed']}, accepted {ex['spec_accepted']}, "
               f"alpha {ex['spec_alpha']:.3f}, mean accepted per step {ex['spec_mean_accepted_per_step']:.2f}, "

@@ -61,4 +61,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                      spec_c=None if c is None else round(c, 3),
                      spec_k_histogram={str(k): engine.controller.history.count(k)
                                        for k in sorted(set(engine.controller.history))})
-    return build_report(metrics, duration, extra), outs
+    report = build_report(metrics, duration, extra)
+    tags = sorted({r.tag for r in requests})
+    if len(tags) > 1:  # a user's own mix: the same measures per slice, over the same wall time
+        report["per_tag"] = {t: build_report([m for m, r in zip(metrics, requests) if r.tag == t], duration)
+                             for t in tags}
+    return report, outs
