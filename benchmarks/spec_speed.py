@@ -38,7 +38,7 @@ def run_config(eng, prompts, temperature, k_mode, max_tokens, seed=0):
     for i, p in enumerate(prompts):
         sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i)
         t = time.perf_counter()
-        rid = eng.add_request(p, sp)
+        eng.add_request(p, sp)
         final = None
         while eng.has_unfinished():
             for o in eng.step():

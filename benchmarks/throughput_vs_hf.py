@@ -47,7 +47,7 @@ def side_ours(a) -> dict:
     for n in (1, a.single_tokens + 1):
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         t = time.perf_counter()
-        rid = eng.add_request(prompt, sp)
+        eng.add_request(prompt, sp)
         while eng.has_unfinished():
             eng.step()
         times[n] = time.perf_counter() - t

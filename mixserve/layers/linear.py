@@ -15,9 +15,9 @@ class DenseLinear(nn.Module):
     """y = x @ W^T + b, W [out_features, in_features] in the compute dtype.
 
     On CPU the weight is reordered once into oneDNN's blocked layout (the same prepacking
-    PyTorch's Inductor uses for frozen CPU linears). Measured on the project's 2-core Zen 5
-    (bf16, 24 gate/up matrices of 9728x896): 1 row 29.8 -> 18.5 ms, 16 rows 40.8 -> 27.3 ms,
-    64 rows 96.7 -> 72.9 ms; plain F.linear streams weights at only ~12-14 GB/s.
+    PyTorch's Inductor uses for frozen CPU linears). `benchmarks/kernels.py` on the project's 2-core
+    Zen 5, bf16, 24 gate/up matrices of 9728x896: 1 row 23.9 -> 17.4 ms, 16 rows 42.6 -> 26.1 ms,
+    64 rows 96.1 -> 79.9 ms (float32: about 2x at 1-16 rows).
     The dense copy is not kept; `dense_weight()` reorders back when needed.
 
     Args: weight [out, in] float32/bfloat16; bias [out] or None.

@@ -154,7 +154,7 @@ def test_abort_frees_blocks(tiny):
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
     eng = llm.engine
     a = eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
-    b = eng.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
     for _ in range(3):
         eng.step()
     assert eng.block_manager.num_used_blocks > 0
