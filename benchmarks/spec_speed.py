@@ -1,5 +1,5 @@
 """Speculative decoding, single stream, side by side in one run: plain target vs fixed k in
-{1, 2, 4} vs auto, on HumanEval (temperature 0) and ShareGPT (temperature 1), plus HF
+{1, 2, 4} vs auto, interleaved prompt by prompt, on HumanEval (temperature 0) and ShareGPT (temperature 1), plus HF
 transformers' assisted generation on the HumanEval prompts.
 
 For every fixed k it also checks the cost model (Leviathan et al. 2023, §3.4): predicted
@@ -18,46 +18,58 @@ from pathlib import Path
 import torch
 
 
-def run_config(eng, prompts, temperature, k_mode, max_tokens, seed=0):
-    """Generate for each prompt alone; returns totals and per-step timing."""
+def run_one(eng, ctl, prompt, temperature, max_tokens, seed, acc):
+    """Generate for one prompt alone with controller `ctl`; adds to the totals in `acc`."""
     from mixserve import SamplingParams
 
-    from mixserve.spec.controller import StepCostTable
+    eng.controller = ctl
+    sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    t = time.perf_counter()
+    eng.add_request(prompt, sp)
+    final = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final = o
+    dt = time.perf_counter() - t
+    m = final.metrics
+    # decode speed: exclude the prefill (time to first token)
+    acc["elapsed"] += dt - m["ttft"]
+    acc["tokens"] += len(final.token_ids) - 1
+    for key in ("accepted", "evaluated", "proposed", "steps"):
+        acc[key] += m[f"spec_{key}"]
+    acc["outs"].append(final.token_ids)
 
-    mode, k = k_mode
-    eng.controller.mode = mode if eng.proposer else "off"
-    eng.controller.k_max = k
-    eng.controller.history.clear()
-    # fixed k: the engine's own online cost tables, fresh for this configuration, feed the model
-    if mode != "auto":
-        eng.controller.target, eng.controller.draft = StepCostTable(), StepCostTable()
-    tokens = 0
-    elapsed = 0.0
-    acc = ev = prop = steps = 0
-    outs = []
+
+def run_dataset(eng, configs, prompts, temperature, max_tokens, seed=0):
+    """All configurations, interleaved prompt by prompt (the order rotates per prompt), so that
+    the host's drift in speed falls on every configuration alike. Each configuration keeps its
+    own controller (auto keeps what it learnt across prompts; fixed k and plain keep the
+    engine's online step-cost tables that feed the cost model)."""
+    from mixserve.spec.controller import SpecController
+
+    ctls = {name: SpecController(mode if eng.proposer else "off", k) for name, (mode, k) in configs}
+    accs = {name: {"elapsed": 0.0, "tokens": 0, "accepted": 0, "evaluated": 0, "proposed": 0, "steps": 0,
+                   "outs": []} for name, _ in configs}
+    names = [n for n, _ in configs]
     for i, p in enumerate(prompts):
-        sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i)
-        t = time.perf_counter()
-        eng.add_request(p, sp)
-        final = None
-        while eng.has_unfinished():
-            for o in eng.step():
-                if o.finished:
-                    final = o
-        dt = time.perf_counter() - t
-        # decode speed: exclude the prefill (time to first token)
-        elapsed += dt - final.metrics["ttft"]
-        tokens += len(final.token_ids) - 1
-        m = final.metrics
-        acc += m["spec_accepted"]; ev += m["spec_evaluated"]; prop += m["spec_proposed"]; steps += m["spec_steps"]
-        outs.append(final.token_ids)
-    ctl = eng.controller
-    # medians of the engine's own per-step timings (this machine is shared: means are noisy)
-    costs = {"target_1": ctl.target.median(1), f"target_{k + 1}": ctl.target.median(k + 1),
-             "draft_1": ctl.draft.median(1)}
-    return {"tok_s": tokens / elapsed, "tokens": tokens, "alpha": acc / ev if ev else None, "step_costs_s": costs,
-            "proposed": prop, "accepted": acc, "mean_accepted_per_step": acc / steps if steps else None,
-            "k_hist": {str(x): eng.controller.history.count(x) for x in set(eng.controller.history)}}, outs
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            run_one(eng, ctls[name], p, temperature, max_tokens, seed + i, accs[name])
+    rows, outs = {}, {}
+    for name, (mode, k) in configs:
+        a, ctl = accs[name], ctls[name]
+        # medians of the engine's own per-step timings (this machine is shared: means are noisy)
+        costs = {"target_1": ctl.target.median(1), f"target_{k + 1}": ctl.target.median(k + 1),
+                 "draft_1": ctl.draft.median(1)}
+        rows[name] = {"tok_s": a["tokens"] / a["elapsed"], "tokens": a["tokens"],
+                      "alpha": a["accepted"] / a["evaluated"] if a["evaluated"] else None,
+                      "step_costs_s": costs, "proposed": a["proposed"], "accepted": a["accepted"],
+                      "mean_accepted_per_step": a["accepted"] / a["steps"] if a["steps"] else None,
+                      "k_hist": {str(x): ctl.history.count(x) for x in set(ctl.history)}}
+        outs[name] = a["outs"]
+        print(name, {k: v for k, v in rows[name].items() if k != "k_hist"}, rows[name]["k_hist"], flush=True)
+    return rows, outs
 
 
 def step_costs(eng, prompt, ks):
@@ -92,6 +104,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--datasets", default="humaneval,sharegpt")
     ap.add_argument("--out", default="results/spec_speed.json")
     a = ap.parse_args()
 
@@ -113,16 +126,14 @@ def main():
     # forward-only costs of the model runners (no sampling), for reference
     results["forward_costs_s"] = step_costs(eng, he[0], [1, 2, 4])
     for ds, prompts, temp in (("humaneval", he, 0.0), ("sharegpt", sg, 1.0)):
-        rows = {}
-        plain_out = None
-        for name, km in configs:
-            r, outs = run_config(eng, prompts, temp, km, a.max_tokens)
-            if name == "plain":
-                plain_out = outs
-            elif temp == 0:
-                r["identical_to_plain"] = sum(x == y for x, y in zip(outs, plain_out))
-            rows[name] = r
-            print(ds, name, {k: v for k, v in r.items() if k != "k_hist"}, r["k_hist"], flush=True)
+        if ds not in a.datasets.split(","):
+            continue
+        print("--", ds, flush=True)
+        rows, outs = run_dataset(eng, configs, prompts, temp, a.max_tokens)
+        if temp == 0:
+            for name in rows:
+                if name != "plain":
+                    rows[name]["identical_to_plain"] = sum(x == y for x, y in zip(outs[name], outs["plain"]))
         base = rows["plain"]["tok_s"]
         for name, km in configs[1:]:
             rows[name]["speedup"] = rows[name]["tok_s"] / base

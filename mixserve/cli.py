@@ -1,4 +1,4 @@
-"""Command line: `mixserve pull | generate | bench`."""
+"""Command line: `mixserve pull | generate | bench | quantize | eval-ppl`."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest k proposed per step (default %(default)s)")
     p.add_argument("--speculation", default=d.speculation, choices=["auto", "fixed", "off"],
                    help="auto: pick k per step from measured acceptance and costs; fixed: always k")
+    p.add_argument("--quantization", default=None, choices=["rtn", "awq"],
+                   help="rtn: round linears to int4 at load; awq: require an AWQ checkpoint (from `quantize`). "
+                        "AWQ checkpoints are detected without this flag")
+    p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="group size for rtn")
 
 
 def engine_args(a: argparse.Namespace, **over):
@@ -119,6 +123,46 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_quantize(a) -> int:
+    from mixserve.quant.awq import AWQConfig
+    from mixserve.quant.checkpoint import quantize
+
+    qc = AWQConfig(method=a.method, group_size=a.group_size, bits=a.w_bit)
+    quantize(a.model, qc, a.calib, a.calib_samples, a.calib_seq_len, a.out, lm_head=a.lm_head)
+    return 0
+
+
+def cmd_eval_ppl(a) -> int:
+    from mixserve.bench.corpora import EVAL_SLICES
+    from mixserve.bench.ppl import compare, evaluate
+    from mixserve.engine.llm_engine import LLMEngine
+
+    slices = a.slices.split(",") if a.slices else list(EVAL_SLICES)
+    eng = LLMEngine(engine_args(a, max_num_seqs=1))
+    if eng.tokenizer is None:
+        raise ValueError(f"model {a.model!r} has no tokenizer: eval-ppl needs one")
+    if getattr(eng.model, "quant", None) and eng.model.quant.dense:
+        print(f"left dense: {len(eng.model.quant.dense)} linears, e.g. {eng.model.quant.dense[0]}", file=sys.stderr)
+    res = evaluate(eng, slices, a.tokens_per_slice, a.seq_len)
+    report = {"model": a.model, "quantization": a.quantization, "dtype": str(eng.dtype), "machine": machine_info(),
+              "tokens_per_slice": a.tokens_per_slice, "seq_len": a.seq_len, "slices": res}
+    print(f"{'slice':<16}{'tokens':>8}{'ppl':>10}  95% CI")
+    for name, r in res.items():
+        print(f"{name:<16}{r['tokens']:>8}{r['ppl']:>10.3f}  [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
+    if a.baseline:
+        base = json.loads(Path(a.baseline).read_text())["slices"]
+        report["vs_baseline"] = cmp = compare(res, base)
+        print(f"\nincrease over {a.baseline} (paired bootstrap):")
+        for name, c in cmp.items():
+            mark = "significant" if c["significant"] else ""
+            print(f"{name:<16}{c['delta']:>+10.3f}  [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] {mark}")
+    out = Path(a.output or f"results/ppl-{Path(a.model).name}-{a.quantization or 'auto'}-{int(time.time())}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -151,6 +195,29 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("quantize", help="write an int4 checkpoint (AWQ or round-to-nearest, AutoAWQ GEMM layout)")
+    p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (dense)")
+    p.add_argument("--method", default="awq", choices=["awq", "rtn"])
+    p.add_argument("--w-bit", type=int, default=4, choices=[4])
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--calib", default="pystdlib",
+                   help="pystdlib | humaneval | sharegpt | FILE (.jsonl or text: your own traffic, the best choice)")
+    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
+    p.add_argument("--out", default=None, help="output folder (default: under the mixserve cache)")
+    p.set_defaults(fn=cmd_quantize)
+
+    p = sub.add_parser("eval-ppl", help="held-out perplexity per slice, with bootstrap intervals")
+    add_engine_args(p)
+    p.add_argument("--slices", default=None,
+                   help="comma-separated: code_stdlib,code_humaneval,chat_en,chat_nonen,odd_format or files (default all)")
+    p.add_argument("--tokens-per-slice", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--baseline", default=None, help="an earlier eval-ppl JSON: report the paired increase over it")
+    p.add_argument("--output", default=None)
+    p.set_defaults(fn=cmd_eval_ppl)
 
     a = ap.parse_args(argv)
     try:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,7 @@ from mixserve.engine.sampler import Sampler, SamplingMetadata, probs_from_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
 from mixserve.models.config import ModelConfig
+from mixserve.quant.loading import QuantSpec
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence
 from mixserve.spec.controller import SpecController
@@ -66,6 +69,8 @@ class EngineArgs:
     draft_model: built-in name / path of a draft model sharing the target's vocabulary, or
         "ngram" for prompt lookup; None disables speculative decoding.
     num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
+    quantization: None (as stored: dense, or int4 for an AWQ checkpoint), "rtn" (round-to-nearest
+        int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -80,6 +85,8 @@ class EngineArgs:
     draft_model: str | None = None
     num_speculative_tokens: int = 4
     speculation: str = "auto"
+    quantization: str | None = None
+    quant_group_size: int = 128
 
 
     def validate(self) -> None:
@@ -94,6 +101,10 @@ class EngineArgs:
             raise ValueError(f"speculation: must be auto, fixed or off (got {self.speculation!r})")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens: must be an integer >= 0 (got {self.num_speculative_tokens!r})")
+        if self.quantization not in (None, "rtn", "awq"):
+            raise ValueError(f"quantization: must be rtn or awq (got {self.quantization!r})")
+        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 32 or self.quant_group_size % 32:
+            raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
         parse_bytes(self.kv_cache_memory)
 
 
@@ -121,11 +132,15 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
-def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True):
+def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
+               quantization: str | None = None, group_size: int = 128):
     """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
 
-    GGUF files are dequantized once to an HF folder beside them (models/loader.py).
-    Raises FileNotFoundError / ValueError from model resolution with a clear message.
+    GGUF files are dequantized once to an HF folder beside them (models/loader.py). A folder whose
+    config.json has an AWQ `quantization_config` loads int4 (quant/loading.py); quantization="rtn"
+    rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint.
+    Raises FileNotFoundError / ValueError from model resolution, or ValueError when the
+    quantization asked for does not match the checkpoint, with a clear message.
     """
     from mixserve.models.llama import LlamaForCausalLM
     from mixserve.models.loader import convert_gguf, load_hf_weights
@@ -134,8 +149,16 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     r = resolve_model(spec)
     folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
+    quant = QuantSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+    if quantization == "rtn":
+        if quant is not None:
+            raise ValueError(f"quantization rtn: {folder} is already an AWQ checkpoint")
+        quant = QuantSpec("rtn", group_size)
+    elif quantization == "awq" and quant is None:
+        raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint; make one with "
+                         "`mixserve quantize --method awq --out DIR` and load DIR (AWQ is never replaced by RTN)")
     weights = load_hf_weights(folder)
-    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings)
+    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
     del weights
     tokenizer = None
     if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
@@ -181,7 +204,7 @@ class LLMEngine:
         self.dtype = parse_dtype(args.dtype)
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
-            args.model, self.dtype, args.max_model_len, args.progress)
+            args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:

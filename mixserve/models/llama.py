@@ -16,10 +16,12 @@ from mixserve.layers.linear import DenseLinear
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
+from mixserve.quant.loading import QuantSpec, make_linear
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+                 quant: QuantSpec | None = None):
         super().__init__()
         self.cfg = cfg
         g = lambda n: w[prefix + n].to(dtype)  # noqa: E731
@@ -27,12 +29,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.weight.data = g("input_layernorm.weight")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm.weight.data = g("post_attention_layernorm.weight")
-        qkv_w = torch.cat([g(f"self_attn.{p}_proj.weight") for p in "qkv"])
-        qkv_b = torch.cat([g(f"self_attn.{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
-        self.qkv_proj = DenseLinear(qkv_w, qkv_b)
-        self.o_proj = DenseLinear(g("self_attn.o_proj.weight"))
-        self.gate_up_proj = DenseLinear(torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]))
-        self.down_proj = DenseLinear(g("mlp.down_proj.weight"))
+        lin = lambda *names: make_linear(w, [prefix + n for n in names], dtype, quant)  # noqa: E731
+        self.qkv_proj = lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.o_proj = lin("self_attn.o_proj")
+        self.gate_up_proj = lin("mlp.gate_proj", "mlp.up_proj")
+        self.down_proj = lin("mlp.down_proj")
         self.scale = cfg.head_dim ** -0.5
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -62,24 +63,32 @@ class LlamaForCausalLM(nn.Module):
         weights: HF-named tensors ([out, in] linears), any float dtype; cast to `dtype`.
         dtype: compute dtype (torch.bfloat16 or torch.float32).
         max_positions: RoPE table length in tokens (the engine's max_model_len).
+        quant: int4 weights (an AWQ checkpoint's, or round-to-nearest at load); None: dense.
     Raises:
         KeyError: a weight is missing.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int,
+                 quant: QuantSpec | None = None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"].to(dtype), freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quant) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm.weight.data = weights["model.norm.weight"].to(dtype)
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = DenseLinear(self.embed_tokens.weight)
+        self.quant = quant
+        # the LM head stays in the compute dtype unless asked (rtn) or stored int4 (awq)
+        head_q = quant is not None and (quant.lm_head or "lm_head.qweight" in weights)
+        if "lm_head.qweight" in weights or (not cfg.tie_word_embeddings and "lm_head.weight" in weights):
+            self.lm_head = make_linear(weights, ["lm_head"], dtype, quant, allow_quant=head_q)
+        elif head_q:
+            self.lm_head = make_linear({"lm_head.weight": weights["model.embed_tokens.weight"]}, ["lm_head"], dtype,
+                                       quant)
         else:
-            self.lm_head = DenseLinear(weights["lm_head.weight"].to(dtype))
+            self.lm_head = DenseLinear(self.embed_tokens.weight)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:

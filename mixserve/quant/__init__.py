@@ -1,0 +1,1 @@
+"""Weight-only int4 quantization: AWQ (Lin et al., MLSys 2024) and round-to-nearest."""

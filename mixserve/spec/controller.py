@@ -12,15 +12,18 @@ import math
 
 
 class StepCostTable:
-    """Exponential moving average of measured seconds per forward, by row count (exact up to 16
-    rows, then powers of 2).
+    """Measured seconds per forward by row count (exact up to 16 rows, then powers of 2): each
+    bucket's value is the median of its last `window` timings, so a one-off outlier (oneDNN
+    building a primitive for a new shape on first use, a noisy neighbour) drops out.
 
     estimate(rows) interpolates linearly between measured buckets, is flat below the smallest and
-    proportional to rows above the largest; None when nothing is measured yet.
+    proportional to rows above the largest; None when nothing is measured yet. has(rows) is true
+    once a bucket holds `min_samples` timings.
     """
 
-    def __init__(self, decay: float = 0.8, keep: int = 256):
-        self.decay = decay
+    def __init__(self, window: int = 15, keep: int = 256, min_samples: int = 3):
+        self.window = window
+        self.min_samples = min_samples
         self.keep = keep
         self.buckets: dict[int, float] = {}
         self.samples: dict[int, list[float]] = {}  # last `keep` raw timings per bucket
@@ -34,11 +37,11 @@ class StepCostTable:
 
     def record(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
-        old = self.buckets.get(b)
-        self.buckets[b] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         xs = self.samples.setdefault(b, [])
         xs.append(seconds)
         del xs[:-self.keep]
+        recent = sorted(xs[-self.window:])
+        self.buckets[b] = recent[len(recent) // 2]
 
     def median(self, rows: int) -> float | None:
         """Median of the raw timings at `rows` (robust to a noisy neighbour; for reports)."""
@@ -46,7 +49,7 @@ class StepCostTable:
         return xs[len(xs) // 2] if xs else None
 
     def has(self, rows: int) -> bool:
-        return self.bucket(rows) in self.buckets
+        return len(self.samples.get(self.bucket(rows), ())) >= self.min_samples
 
     def estimate(self, rows: int) -> float | None:
         if not self.buckets:
@@ -91,11 +94,36 @@ class SpecController:
         # so that a new request is not stuck at k = 0 by a pessimistic fixed prior
         self._acc = 0.0
         self._ev = 0.0
+        self._auto_steps = 0
+        # acceptance by draft position (decayed counts): later positions are accepted less often
+        # than the first (measured on ShareGPT at T=1: α 0.77 with k=1, 0.70 with k=4), so a
+        # single α overrates large k
+        self._pos_acc = [0.0] * max(1, k_max)
+        self._pos_ev = [0.0] * max(1, k_max)
 
     def observe(self, accepted: int, evaluated: int, decay: float = 0.99) -> None:
-        """Record one verification's accepted / evaluated draft positions."""
+        """Record one verification's accepted / evaluated draft positions (a run stops at its first
+        rejection, so positions < evaluated were evaluated and positions < accepted accepted)."""
         self._acc = decay * self._acc + accepted
         self._ev = decay * self._ev + evaluated
+        for i in range(len(self._pos_ev)):
+            self._pos_ev[i] = decay * self._pos_ev[i] + (i < evaluated)
+            self._pos_acc[i] = decay * self._pos_acc[i] + (i < accepted)
+
+    def position_factors(self, weight: float = 8.0) -> list[float]:
+        """α at draft position i relative to the engine-wide α (1.0 until measured)."""
+        g = self.alpha_global
+        return [((a + weight * g) / (e + weight)) / g for a, e in zip(self._pos_acc, self._pos_ev)]
+
+    def expected(self, alpha: float, k: int, factors: list[float] | None = None) -> float:
+        """Expected tokens per verification of k proposals for a request with smoothed α, with the
+        acceptance at position i scaled by the measured positional factor: 1 + sum_j prod_{i<j} α_i."""
+        factors = self.position_factors() if factors is None else factors
+        e, p = 1.0, 1.0
+        for i in range(k):
+            p *= min(0.999, alpha * factors[min(i, len(factors) - 1)])
+            e += p
+        return e
 
     @property
     def alpha_global(self) -> float:
@@ -121,16 +149,24 @@ class SpecController:
         self.history.append(k)
         return k
 
+    # every this many auto steps the best k's neighbour is tried once, so that costs measured
+    # under other conditions (another batch size, a busy host) are refreshed
+    REFRESH_EVERY = 50
+
     def _best(self, alphas: list[float], prefill_tokens: int) -> int:
         b = len(alphas)
-        # Explore: a candidate whose costs were never measured is tried once.
+        # Explore: a candidate with too few timings is tried (min_samples times in all).
         for k in range(self.k_max, -1, -1):
             if not self.target.has(b * (k + 1) + prefill_tokens) or (k and not self.draft.has(b)):
                 return k
         best_k, best_rate = 0, -1.0
+        factors = self.position_factors()
         for k in range(self.k_max + 1):
             cost = self.target.estimate(b * (k + 1) + prefill_tokens) + k * self.draft.estimate(b)
-            rate = sum(expected_tokens(a, k) for a in alphas) / cost
+            rate = sum(self.expected(a, k, factors) for a in alphas) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        self._auto_steps += 1
+        if self._auto_steps % self.REFRESH_EVERY == 0:
+            return best_k + 1 if best_k < self.k_max else best_k - 1
         return best_k

@@ -23,9 +23,10 @@ def test_cost_table_interpolates():
 
 def flat_costs(c, k_max=4):
     ctl = SpecController("auto", k_max)
-    for rows in range(1, 6):
-        ctl.target.record(rows, 1.0)  # a few rows cost the same as one: bandwidth-bound decode
-    ctl.draft.record(1, c)
+    for _ in range(3):
+        for rows in range(1, 6):
+            ctl.target.record(rows, 1.0)  # a few rows cost the same as one: bandwidth-bound decode
+        ctl.draft.record(1, c)
     return ctl
 
 
@@ -41,9 +42,26 @@ def test_auto_speculates_when_it_pays_and_stops_when_not():
 def test_auto_explores_unmeasured_costs_first():
     ctl = SpecController("auto", 2)
     assert ctl.choose([0.5], 0) == 2  # nothing measured: try the largest k
-    ctl.target.record(3, 1.0)
-    ctl.draft.record(1, 0.3)
+    for _ in range(3):
+        ctl.target.record(3, 1.0)
+        ctl.draft.record(1, 0.3)
     assert ctl.choose([0.5], 0) == 1  # 2 rows (k = 1) not measured yet
+
+
+def test_a_first_outlier_does_not_stick():
+    # oneDNN builds a primitive on a shape's first use: that timing must not decide k for good
+    t = StepCostTable()
+    t.record(5, 0.6)
+    assert not t.has(5)
+    t.record(5, 0.13)
+    t.record(5, 0.13)
+    assert t.has(5) and t.estimate(5) == pytest.approx(0.13)
+
+
+def test_auto_refreshes_a_neighbour_now_and_then():
+    ctl = flat_costs(c=0.3)
+    ks = [ctl.choose([0.9], 0) for _ in range(ctl.REFRESH_EVERY)]
+    assert ks[:-1] == [4] * (ctl.REFRESH_EVERY - 1) and ks[-1] == 3
 
 
 def test_fixed_and_off():
@@ -60,3 +78,16 @@ def test_global_alpha_prior():
     assert ctl.alpha_global > 0.9
     assert ctl.alpha_for(0, 0) == pytest.approx(ctl.alpha_global)
     assert ctl.alpha_for(0, 100) < 0.1
+
+
+def test_positional_acceptance_tempers_large_k():
+    ctl = flat_costs(c=0.1)
+    assert ctl.choose([0.8], 0) == 4
+    # the first proposal is nearly always accepted, the second nearly never
+    for _ in range(300):
+        ctl.observe(1, 2)
+    f = ctl.position_factors()
+    assert f[0] > 1.5 and f[1] < 0.2
+    a = ctl.alpha_for(0, 0)
+    assert ctl.expected(a, 2) < ctl.expected(a, 1) + 0.2
+    assert ctl.choose([a], 0) == 1

@@ -1,0 +1,236 @@
+"""AWQ: activation-aware weight quantization (Lin et al., MLSys 2024), and RTN as its baseline.
+
+The model is run block by block over calibration tokens. For each group of linears that share an
+input (q/k/v after the attention norm, gate/up after the MLP norm, down after the activation, o
+after attention when v's output can absorb a scale) AWQ:
+
+1. takes s_x, the mean |activation| of each input channel (§3.2: salient channels are found by
+   activation, not weight, magnitude);
+2. grid-searches α in [0, 1] (20 points) for s = s_x^α (normalised by sqrt(max s * min s))
+   minimising ||Q(W diag(s)) (diag(s)^-1 X) - W X||² over the group's outputs (§3.3, Eq. 5);
+3. folds 1/s into the operation before (RMSNorm weight, v_proj rows, up_proj rows) and s into W,
+   which leaves the unquantized model's function unchanged;
+4. searches a clipping ratio per output row and group (max |w| shrunk by up to 50% in 20 steps)
+   minimising the same output error, for every linear but q and k (AutoAWQ's practice: their
+   errors are amplified by the attention softmax, and clipping them was found to hurt).
+
+Then every linear is quantized group-wise (groupwise.py). The next block's input is the float
+block's output, as in the reference implementation (AutoAWQ `AwqQuantizer`).
+
+The objective's output error is computed as X (Q(W) - W)^T with the difference in float32 and the
+matmul in bfloat16: the error of a difference, so bf16's 3 significant digits are ample, and it is
+several times faster on CPUs with bf16 units.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from mixserve.models.config import ModelConfig
+from mixserve.quant.groupwise import fake_quantize, quantizable
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass
+class AWQConfig:
+    """method: "awq" or "rtn". group_size: input channels per group. n_grid: α grid points and
+    clipping steps. max_shrink: largest clipping (0.5 = clip at half the max). search_tokens /
+    clip_tokens: calibration tokens (sampled) used by the scale and clip searches. seed: sampling."""
+
+    method: str = "awq"
+    group_size: int = 128
+    bits: int = 4
+    n_grid: int = 20
+    max_shrink: float = 0.5
+    search_tokens: int = 4096
+    clip_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass
+class QuantReport:
+    """What quantization did: per-layer chosen α (by group), seconds, and linears left dense."""
+
+    alphas: list[dict] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def block_forward(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, cos, sin, capture: bool = False):
+    """One float32 decoder block over [B, T, hidden] with causal attention (no KV cache).
+
+    w: HF-named weights; p: the block's prefix ("model.layers.N."); cos/sin: [T, head_dim].
+    Returns the block output, and with capture=True also the inputs of each linear group:
+    {"qkv": [B,T,hidden], "o": [B,T,q_size], "gate_up": [B,T,hidden], "down": [B,T,intermediate]}.
+    """
+    B, T, _ = x.shape
+    h = _rms(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+    proj = lambda n, inp: F.linear(inp, w[p + n + ".weight"], w.get(p + n + ".bias"))  # noqa: E731
+    q = proj("self_attn.q_proj", h).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+    k = proj("self_attn.k_proj", h).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = proj("self_attn.v_proj", h).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    a = a.transpose(1, 2).reshape(B, T, cfg.q_size)
+    x2 = x + proj("self_attn.o_proj", a)
+    h2 = _rms(x2, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    act = F.silu(proj("mlp.gate_proj", h2)) * proj("mlp.up_proj", h2)
+    out = x2 + proj("mlp.down_proj", act)
+    if capture:
+        return out, {"qkv": h, "o": a, "gate_up": h2, "down": act}
+    return out
+
+
+def _out_error(x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor) -> float:
+    """Mean squared output error of using w_q for w on inputs x [N, in]."""
+    d = (w_q - w).to(torch.bfloat16)
+    return (x.to(torch.bfloat16) @ d.t()).float().pow(2).mean().item()
+
+
+def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQConfig) -> tuple[torch.Tensor, float]:
+    """Best per-input-channel scale s [in] for the stacked weights w [out, in] of one group.
+
+    x: sampled inputs [N, in] float32; x_mean: mean |x| per channel over all calibration tokens.
+    Returns (s, α). α = 0 (s = 1) is among the candidates, so AWQ never does worse than RTN on
+    this objective.
+    """
+    best = (math.inf, torch.ones_like(x_mean), 0.0)
+    for i in range(qc.n_grid):
+        alpha = i / qc.n_grid
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        w_q = fake_quantize(w * s, qc.group_size, qc.bits) / s
+        err = _out_error(x, w_q, w)
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+
+
+def search_clip(x: torch.Tensor, w: torch.Tensor, qc: AWQConfig) -> torch.Tensor:
+    """Best clipping bound per (output row, group): max_val [out, in / g] for w [out, in] on
+    inputs x [N, in]; the weight is then clamped to [-max_val, max_val] before quantizing."""
+    out_f, in_f = w.shape
+    g = qc.group_size
+    ng = in_f // g
+    wg = w.view(out_f, ng, g)
+    xg = x.view(-1, ng, g).transpose(0, 1).to(torch.bfloat16)  # [ng, N, g]
+    org_max = wg.abs().amax(-1)  # [out, ng]
+    best_err = torch.full((out_f, ng), math.inf)
+    best_max = org_max.clone()
+    for i in range(int(qc.max_shrink * qc.n_grid)):
+        max_val = org_max * (1 - i / qc.n_grid)
+        cur = torch.maximum(torch.minimum(wg, max_val.unsqueeze(-1)), -max_val.unsqueeze(-1))
+        d = (fake_quantize(cur.view(out_f, in_f), g, qc.bits).view(out_f, ng, g) - wg)
+        # per group: x_g [N, g] @ d_g [g, out] -> squared error averaged over tokens
+        err = torch.bmm(xg, d.permute(1, 2, 0).to(torch.bfloat16)).float().pow(2).mean(1).t()  # [out, ng]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_max = torch.where(better, max_val, best_max)
+    return best_max
+
+
+def _apply_clip(w: torch.Tensor, max_val: torch.Tensor, g: int) -> torch.Tensor:
+    out_f, in_f = w.shape
+    m = max_val.unsqueeze(-1)
+    return torch.maximum(torch.minimum(w.view(out_f, -1, g), m), -m).view(out_f, in_f)
+
+
+def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: torch.Tensor | None,
+                     qc: AWQConfig, progress: bool = True) -> tuple[dict[str, torch.Tensor], QuantReport]:
+    """Transform a dense model's weights for int4 group-wise quantization (AWQ or RTN).
+
+    weights: HF-named float tensors (not modified). calib: int64 [n_samples, seq_len] token ids
+    (required for AWQ). Returns (weights, report): float32 copies of the block weights with AWQ's
+    scales folded in and clipping applied (RTN: unchanged), ready for `checkpoint.save_awq`, which
+    does the rounding. Linears whose shape does not fit the grid are listed in report.skipped.
+    Raises ValueError for an unknown method or AWQ without calibration data.
+    """
+    if qc.method not in ("awq", "rtn"):
+        raise ValueError(f"method: must be awq or rtn (got {qc.method!r})")
+    if qc.method == "awq" and (calib is None or calib.numel() == 0):
+        raise ValueError("awq needs calibration tokens")
+    t0 = time.perf_counter()
+    report = QuantReport()
+    out = {k: v for k, v in weights.items()}
+    for i in range(cfg.num_layers):
+        for n in LINEARS:
+            name = f"model.layers.{i}.{n}"
+            why = quantizable(out[name + ".weight"].shape[1], out[name + ".weight"].shape[0], qc.group_size)
+            if why:
+                report.skipped.append(f"{name}: {why}")
+    if qc.method == "rtn":
+        report.seconds = time.perf_counter() - t0
+        return out, report
+
+    gen = torch.Generator().manual_seed(qc.seed)
+    x = F.embedding(calib, weights["model.embed_tokens.weight"].float())
+    B, T = calib.shape
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(T).float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    n_tok = B * T
+    search_idx = torch.randperm(n_tok, generator=gen)[: qc.search_tokens]
+    clip_idx = search_idx[: qc.clip_tokens]
+    skipped = {s.split(":")[0] for s in report.skipped}
+    bar = tqdm(range(cfg.num_layers), desc="awq", unit="block", disable=not progress)
+    for i in bar:
+        p = f"model.layers.{i}."
+        w = {k[len(p):]: out[k].float().clone() for k in out if k.startswith(p)}
+        wp = {p + k: v for k, v in w.items()}
+        with torch.no_grad():
+            y, feats = block_forward(cfg, wp, p, x, cos, sin, capture=True)
+        feats = {k: v.reshape(n_tok, -1) for k, v in feats.items()}
+        groups = [("qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm"),
+                  ("gate_up", ["mlp.gate_proj", "mlp.up_proj"], "post_attention_layernorm"),
+                  ("down", ["mlp.down_proj"], "mlp.up_proj"),
+                  ("o", ["self_attn.o_proj"], "self_attn.v_proj")]
+        chosen = {}
+        for key, names, prev in groups:
+            if any(p + n in skipped for n in names):
+                continue
+            if key == "o" and w["self_attn.v_proj.weight"].shape[0] != w["self_attn.o_proj.weight"].shape[1]:
+                continue  # grouped-query attention: v's rows do not map one-to-one onto o's inputs
+            feat = feats[key]
+            x_mean = feat.abs().mean(0)
+            stacked = torch.cat([w[n + ".weight"] for n in names])
+            s, alpha = search_scale(feat[search_idx], x_mean, stacked, qc)
+            chosen[key] = alpha
+            for n in names:
+                w[n + ".weight"] = w[n + ".weight"] * s
+            if prev.endswith("layernorm"):
+                w[prev + ".weight"] = w[prev + ".weight"] / s
+            else:  # a linear's output rows feed this group's input channels
+                w[prev + ".weight"] = w[prev + ".weight"] / s.unsqueeze(1)
+                if prev + ".bias" in w:
+                    w[prev + ".bias"] = w[prev + ".bias"] / s
+            feats[key] = feat / s
+        for key, names in (("o", ["self_attn.o_proj"]), ("gate_up", ["mlp.gate_proj", "mlp.up_proj"]),
+                           ("down", ["mlp.down_proj"])):
+            for n in names:
+                if p + n in skipped:
+                    continue
+                mv = search_clip(feats[key][clip_idx], w[n + ".weight"], qc)
+                w[n + ".weight"] = _apply_clip(w[n + ".weight"], mv, qc.group_size)
+        report.alphas.append(chosen)
+        for k, v in w.items():
+            out[p + k] = v
+        x = y
+        del feats
+    report.seconds = time.perf_counter() - t0
+    return out, report

@@ -1,0 +1,161 @@
+"""Writing int4 checkpoints in the AutoAWQ GEMM layout (pack.py), and the `quantize` job.
+
+The folder holds config.json with `quantization_config` {quant_method: awq, bits: 4, group_size,
+zero_point: true, version: gemm, modules_to_not_convert}, model.safetensors (qweight/qzeros/scales
+per quantized linear under HF names; every other tensor float16, as AutoAWQ writes them), the
+tokenizer and generation config, and mixserve_quant.json (method, calibration, time, chosen α).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mixserve.models.config import ModelConfig
+from mixserve.quant.awq import LINEARS, AWQConfig, QuantReport, quantize_weights
+from mixserve.quant.groupwise import quantize_groupwise
+from mixserve.quant.pack import pack_awq
+
+_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+         "generation_config.json", "chat_template.jinja", "added_tokens.json")
+
+
+def awq_tensors(name: str, w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """qweight int32 [in, out/8], qzeros int32 [in/g, out/8], scales float16 [in/g, out] for a
+    weight [out, in] (HF layout)."""
+    q, s, z = quantize_groupwise(w.float(), group_size)
+    return {name + ".qweight": pack_awq(q.t().contiguous()), name + ".qzeros": pack_awq(z.t().contiguous()),
+            name + ".scales": s.t().contiguous()}
+
+
+def build_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor], qc: AWQConfig,
+                     report: QuantReport, lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors from transformed float weights (quantize_weights' output)."""
+    skipped = {s.split(":")[0] for s in report.skipped}
+    targets = {f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in LINEARS} - skipped
+    if lm_head:
+        targets.add("lm_head")
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        base, _, leaf = k.rpartition(".")
+        if leaf == "weight" and base in targets:
+            sd.update(awq_tensors(base, v, qc.group_size))
+        else:
+            sd[k] = v.to(torch.float16).contiguous()
+    if lm_head and "lm_head.qweight" not in sd:  # tied head: quantize a copy of the embedding
+        sd.update(awq_tensors("lm_head", weights["model.embed_tokens.weight"], qc.group_size))
+    return sd
+
+
+def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qc: AWQConfig,
+                    report: QuantReport, source: Path, meta: dict) -> Path:
+    """Write the folder atomically (a .tmp sibling renamed at the end). Returns the folder."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = "float16"
+    if "lm_head.qweight" in sd:
+        hf["tie_word_embeddings"] = False
+    hf["quantization_config"] = {
+        "quant_method": "awq", "bits": qc.bits, "group_size": qc.group_size, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": [s.split(":")[0] for s in report.skipped] or None,
+    }
+    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    for f in _COPY:
+        if (source / f).exists():
+            shutil.copy(source / f, tmp / f)
+    (tmp / "mixserve_quant.json").write_text(json.dumps(
+        {**meta, "config": asdict(qc), "seconds": round(report.seconds, 1), "skipped": report.skipped,
+         "alphas": report.alphas}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int) -> Path:
+    """Cache folder for a quantize run, so a repeated run with the same settings is a no-op."""
+    from mixserve.models.registry import cache_root
+
+    tag = Path(calib).stem if Path(calib).is_file() else calib
+    name = Path(model).name.replace(".gguf", "")
+    if qc.method == "rtn":
+        return cache_root() / "quantized" / f"{name}-rtn-w{qc.bits}-g{qc.group_size}"
+    return cache_root() / "quantized" / f"{name}-awq-w{qc.bits}-g{qc.group_size}-{tag}-{n}x{seq_len}"
+
+
+def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 150.0) -> float:
+    """Rough run time up front: the float forward over the calibration tokens, plus the α grid
+    and clip searches (bf16 matmuls, counted at 3x the float32 rate)."""
+    per_tok = 2 * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                   + 3 * cfg.hidden_size * cfg.intermediate_size)
+    fwd = n * seq_len * per_tok
+    search = qc.n_grid * min(qc.search_tokens, n * seq_len) * per_tok
+    clip = qc.max_shrink * qc.n_grid * qc.clip_tokens * per_tok
+    return (fwd + (search + clip) / 3) * cfg.num_layers / (gflops * 1e9)
+
+
+def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int = 32, seq_len: int = 512,
+             out: str | Path | None = None, lm_head: bool = False, progress: bool = True,
+             log=print) -> Path:
+    """`mixserve quantize`: load a dense model, calibrate (AWQ), write the checkpoint.
+
+    Returns the folder; when it already holds a finished run with the same settings, returns it
+    at once. Raises ValueError for bad settings or too little calibration text.
+    """
+    from mixserve.bench.corpora import calibration_docs, token_stream
+    from mixserve.models.loader import convert_gguf, load_hf_weights
+    from mixserve.models.registry import resolve_model
+
+    if qc.bits != 4:
+        raise ValueError(f"w_bit: only 4 is supported (got {qc.bits})")
+    if qc.group_size < 32 or qc.group_size % 32:
+        raise ValueError(f"group_size: must be a multiple of 32 (got {qc.group_size})")
+    if n_samples < 1 or seq_len < 16:
+        raise ValueError("calib_samples must be >= 1 and calib_seq_len >= 16")
+    out = Path(out) if out else default_out_dir(model, qc, calib, n_samples, seq_len)
+    meta = {"model": model, "method": qc.method, "calib": calib if qc.method == "awq" else None,
+            "calib_samples": n_samples, "calib_seq_len": seq_len, "lm_head": lm_head}
+    done = out / "mixserve_quant.json"
+    if done.exists():
+        old = json.loads(done.read_text())
+        if all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
+            log(f"{out}: already quantized with these settings")
+            return out
+    r = resolve_model(model)
+    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else Path(r.path)
+    cfg = ModelConfig.from_folder(folder)
+    if json.loads((folder / "config.json").read_text()).get("quantization_config"):
+        raise ValueError(f"model: {folder} is already quantized; quantize a dense model")
+    weights = load_hf_weights(folder)
+    calib_ids = None
+    if qc.method == "awq":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        docs = calibration_docs(calib, tok)
+        ids = token_stream(docs, tok, n_samples * seq_len, tok.eos_token_id, seed=qc.seed)
+        if len(ids) < seq_len:
+            raise ValueError(f"calib: {calib!r} gives {len(ids)} tokens, fewer than one sample of {seq_len}")
+        if len(ids) < n_samples * seq_len:
+            log(f"calib: {calib!r} has {len(ids)} tokens: using {len(ids) // seq_len} samples, not {n_samples}")
+        n = len(ids) // seq_len
+        calib_ids = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+        log(f"AWQ on {model}: {n} x {seq_len} calibration tokens from {calib}; expected about "
+            f"{estimate_seconds(cfg, n, seq_len, qc) / 60:.0f} min on this machine's class of CPU")
+    t0 = time.perf_counter()
+    new_w, report = quantize_weights(cfg, weights, calib_ids, qc, progress=progress)
+    for s in report.skipped:
+        log(f"left unquantized: {s}")
+    sd = build_state_dict(cfg, new_w, qc, report, lm_head)
+    report.seconds = time.perf_counter() - t0
+    save_checkpoint(out, cfg, sd, qc, report, folder, meta)
+    log(f"wrote {out} in {report.seconds:.0f} s")
+    return out

@@ -1,0 +1,239 @@
+"""Int4 weight-only quantization: AWQ GEMM packing, the int4 linear, AWQ's scale folding, and
+checkpoints (Lin et al., MLSys 2024; AutoAWQ GEMM layout)."""
+import json
+
+import pytest
+import torch
+
+from mixserve.layers.linear import Int4Linear, _unpack_int4pack_cpu
+from mixserve.models.config import ModelConfig
+from mixserve.models.llama import LlamaForCausalLM
+from mixserve.quant.awq import AWQConfig, block_forward, quantize_weights, search_scale
+from mixserve.quant.checkpoint import build_state_dict, save_checkpoint
+from mixserve.quant.groupwise import dequantize_groupwise, fake_quantize, quantize_groupwise
+from mixserve.quant.loading import QuantSpec
+from mixserve.quant.pack import dequantize_awq, pack_awq, unpack_awq
+
+
+def test_pack_round_trip():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 64), generator=g, dtype=torch.int32)
+    p = pack_awq(q)
+    assert p.shape == (24, 8) and p.dtype == torch.int32
+    assert torch.equal(unpack_awq(p), q)
+
+
+def test_pack_golden_bytes():
+    # nibble i (bits 4i..4i+3) holds column AWQ_ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]:
+    # columns 0..7 holding values 0..7 give nibbles 0,2,4,6,1,3,5,7 from the lowest: 0x75316420
+    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7],
+                      [15, 0, 0, 0, 0, 0, 0, 0],
+                      [0, 0, 0, 0, 0, 0, 0, 15],   # column 7 -> nibble 7: 0xF0000000
+                      [0, 9, 0, 0, 0, 0, 0, 0]])   # column 1 -> nibble 4: 0x00090000
+    p = pack_awq(q)
+    expect = [0x75316420, 0x0000000F, 0xF0000000 - (1 << 32), 0x00090000]
+    assert p[:, 0].tolist() == expect
+    assert torch.equal(unpack_awq(p), q.int())
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_awq(torch.zeros(2, 12, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_awq(torch.full((1, 8), 16))
+
+
+def test_groupwise_grid():
+    w = torch.randn(32, 256)
+    q, s, z = quantize_groupwise(w, 64)
+    assert q.min() >= 0 and q.max() <= 15 and s.dtype == torch.float16 and s.shape == (32, 4)
+    err = (dequantize_groupwise(q, s, z) - w).abs()
+    # asymmetric rounding: at most half a step (plus float16 scale rounding) per weight
+    step = s.float().repeat_interleave(64, 1)
+    assert (err <= 0.5 * step * 1.01 + 1e-6).all()
+
+
+def test_awq_triple_dequantizes_to_hf_layout():
+    w = torch.randn(48, 128)
+    q, s, z = quantize_groupwise(w, 32)
+    wd = dequantize_awq(pack_awq(q.t().contiguous()), pack_awq(z.t().contiguous()), s.t().contiguous(), 32)
+    assert torch.equal(wd, dequantize_groupwise(q, s, z))
+
+
+@pytest.mark.parametrize("out_f,in_f,g", [(64, 128, 32), (80, 96, 32), (112, 256, 128), (48, 64, 64), (208, 384, 128)])
+def test_int4_linear_matches_dequantized_matmul(out_f, in_f, g):
+    torch.manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f)
+    q, s, z = quantize_groupwise(w, g)
+    wd = dequantize_groupwise(q, s, z)
+    bias = torch.randn(out_f)
+    lin = Int4Linear(q, s, z, g, bias, torch.float32, dense_rows=8)
+    # the kernel's layout as decoded here, for tails of 16 / 48 rows too
+    assert torch.equal(_unpack_int4pack_cpu(lin.packed, out_f, in_f).int(), q)
+    for rows in (1, 3, 7, 8, 33):  # both sides of the row threshold
+        x = torch.randn(rows, in_f)
+        ref = x @ wd.t() + bias
+        y = lin(x)
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_int4_linear_refuses_shapes_the_kernel_cannot_take():
+    q, s, z = quantize_groupwise(torch.randn(40, 64), 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4Linear(q, s, z, 32, None, torch.float32)
+
+
+def tiny_cfg(kv_heads=2, hidden=128, inter=256, layers=2):
+    return ModelConfig(arch="qwen2", vocab_size=300, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=4, num_kv_heads=kv_heads, head_dim=hidden // 4, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+                       attention_bias=True, eos_token_ids=[0])
+
+
+def tiny_weights(cfg, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.08  # noqa: E731
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, cfg.hidden_size) * 10,
+         "model.norm.weight": 1 + r(cfg.hidden_size)}
+    if outliers:  # a few salient channels, as in real activations (Lin et al. §3.1)
+        w["model.embed_tokens.weight"][:, :4] *= 20
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + r(cfg.hidden_size)
+        w[p + "post_attention_layernorm.weight"] = 1 + r(cfg.hidden_size)
+        for n, (o, k) in {"self_attn.q_proj": (cfg.q_size, cfg.hidden_size),
+                          "self_attn.k_proj": (cfg.kv_size, cfg.hidden_size),
+                          "self_attn.v_proj": (cfg.kv_size, cfg.hidden_size),
+                          "self_attn.o_proj": (cfg.hidden_size, cfg.q_size),
+                          "mlp.gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+                          "mlp.up_proj": (cfg.intermediate_size, cfg.hidden_size),
+                          "mlp.down_proj": (cfg.hidden_size, cfg.intermediate_size)}.items():
+            w[p + n + ".weight"] = r(o, k)
+        for n in ("q", "k", "v"):
+            w[p + f"self_attn.{n}_proj.bias"] = r(cfg.kv_size if n != "q" else cfg.q_size)
+    return w
+
+
+def float_forward(cfg, w, ids):
+    """Float32 reference through every block (quant/awq.block_forward) and the final norm."""
+    x = torch.nn.functional.embedding(ids, w["model.embed_tokens.weight"])
+    T = ids.shape[1]
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    f = torch.outer(torch.arange(T).float(), inv)
+    cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+    for i in range(cfg.num_layers):
+        x = block_forward(cfg, w, f"model.layers.{i}.", x, cos, sin)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w["model.norm.weight"]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA (o not scaled) and MHA (v -> o folding)
+def test_awq_scale_folding_keeps_the_float_model(kv_heads):
+    cfg = tiny_cfg(kv_heads)
+    w = tiny_weights(cfg)
+    calib = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    # max_shrink=0: no clipping, so only the scale folding changes the weights
+    new, report = quantize_weights(cfg, w, calib, AWQConfig(group_size=32, max_shrink=0.0), progress=False)
+    assert any(a > 0 for layer in report.alphas for a in layer.values()), "no scaling was chosen"
+    assert ("o" in report.alphas[0]) == (kv_heads == 4)
+    changed = [k for k in w if not torch.equal(w[k], new[k])]
+    assert any("layernorm" in k for k in changed)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    ref, got = float_forward(cfg, w, ids), float_forward(cfg, new, ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_awq_scale_search_beats_round_to_nearest():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 128, generator=g)
+    x[:, :3] *= 30  # salient input channels
+    w = torch.randn(64, 128, generator=g)
+    s, alpha = search_scale(x, x.abs().mean(0), w, AWQConfig(group_size=32))
+    ref = x @ w.t()
+    err_rtn = (x @ fake_quantize(w, 32).t() - ref).pow(2).mean()
+    err_awq = (x @ (fake_quantize(w * s, 32) / s).t() - ref).pow(2).mean()
+    assert alpha > 0 and err_awq < 0.8 * err_rtn
+
+
+def test_layers_off_the_group_grid_are_left_dense_and_said():
+    cfg = tiny_cfg(hidden=96, inter=128)  # 96 input features: not a multiple of 64
+    w = tiny_weights(cfg)
+    calib = torch.randint(0, cfg.vocab_size, (2, 16))
+    new, report = quantize_weights(cfg, w, calib, AWQConfig(group_size=64), progress=False)
+    assert report.skipped and all("multiple of group size 64" in s for s in report.skipped)
+    sd = build_state_dict(cfg, new, AWQConfig(group_size=64), report)
+    assert "model.layers.0.mlp.down_proj.qweight" in sd  # 128 inputs: quantized
+    assert "model.layers.0.self_attn.q_proj.weight" in sd  # 96 inputs: dense
+
+
+def _logits(model, cfg, ids):
+    from mixserve.engine.model_runner import BatchItem, ModelRunner
+    from mixserve.kv.block_manager import BlockManager
+
+    bm = BlockManager(16, 16)
+    runner = ModelRunner(model, cfg, bm, 16, 16, torch.float32)
+    bm.append_slots(1, 0, len(ids))
+    logits, _ = runner.run([BatchItem(1, ids, 0, len(ids), len(ids))])
+    return logits
+
+
+def test_checkpoint_reloads_with_identical_outputs(tmp_path):
+    from mixserve.engine.llm_engine import load_model
+
+    cfg = tiny_cfg()
+    w = tiny_weights(cfg)
+    qc = AWQConfig(group_size=32)
+    calib = torch.randint(0, cfg.vocab_size, (4, 32))
+    new, report = quantize_weights(cfg, w, calib, qc, progress=False)
+    sd = build_state_dict(cfg, new, qc, report)
+    in_memory = LlamaForCausalLM(cfg, sd, torch.float32, 256, QuantSpec("awq", 32))
+    folder = save_checkpoint(tmp_path / "ck", cfg, sd, qc, report, tmp_path, {"method": "awq"})
+    hf = json.loads((folder / "config.json").read_text())
+    assert hf["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                         "version": "gemm", "modules_to_not_convert": None}
+    qcfg, model, _, _ = load_model(str(folder), torch.float32, 256, progress=False)
+    assert isinstance(model.layers[0].qkv_proj, Int4Linear) and isinstance(model.layers[1].down_proj, Int4Linear)
+    ids = list(range(5, 45))
+    a, b = _logits(in_memory, cfg, ids), _logits(model, qcfg, ids)
+    assert torch.equal(a, b)
+    # and the quantized model is close to, but not the same as, the float one
+    dense = _logits(LlamaForCausalLM(cfg, w, torch.float32, 256), cfg, ids)
+    assert not torch.equal(a, dense)
+    assert (a - dense).norm() / dense.norm() < 0.2
+
+
+def test_rtn_at_load_equals_an_rtn_checkpoint(tmp_path):
+    from mixserve.engine.llm_engine import load_model
+
+    cfg = tiny_cfg()
+    w = tiny_weights(cfg)
+    qc = AWQConfig(method="rtn", group_size=32)
+    new, report = quantize_weights(cfg, w, None, qc, progress=False)
+    folder = save_checkpoint(tmp_path / "rtn", cfg, build_state_dict(cfg, new, qc, report), qc, report, tmp_path, {})
+    dense_dir = tmp_path / "dense"
+    dense_dir.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.half().float().contiguous() if "proj.weight" not in k else v for k, v in w.items()},
+              str(dense_dir / "model.safetensors"))
+    (dense_dir / "config.json").write_text(json.dumps(cfg.to_hf()))
+    _, m_ck, _, _ = load_model(str(folder), torch.float32, 256, progress=False)
+    _, m_rtn, _, _ = load_model(str(dense_dir), torch.float32, 256, progress=False, quantization="rtn",
+                                group_size=32)
+    ids = list(range(3, 30))
+    assert torch.equal(_logits(m_ck, cfg, ids), _logits(m_rtn, cfg, ids))
+    with pytest.raises(ValueError, match="not an AWQ checkpoint"):
+        load_model(str(dense_dir), torch.float32, 256, progress=False, quantization="awq")
+    with pytest.raises(ValueError, match="already an AWQ checkpoint"):
+        load_model(str(folder), torch.float32, 256, progress=False, quantization="rtn")
+
+
+def test_quantization_config_is_checked():
+    assert QuantSpec.from_hf_config({}) is None
+    assert QuantSpec.from_hf_config({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64,
+                                                             "zero_point": True, "version": "GEMM"}}).group_size == 64
+    for bad, msg in (({"quant_method": "gptq", "bits": 4}, "gptq"),
+                     ({"quant_method": "awq", "bits": 8}, "4-bit"),
+                     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv")):
+        with pytest.raises(ValueError, match=msg):
+            QuantSpec.from_hf_config({"quantization_config": bad})
