@@ -138,21 +138,36 @@ def cmd_eval_ppl(a) -> int:
     from mixserve.engine.llm_engine import LLMEngine
 
     slices = a.slices.split(",") if a.slices else list(EVAL_SLICES)
+    if a.seq_len < 2 or a.tokens_per_slice < a.seq_len:
+        raise ValueError("seq_len must be >= 2 and tokens_per_slice >= seq_len")
+    base = None
+    if a.baseline:  # read first: a bad baseline must not cost the whole evaluation
+        try:
+            base = json.loads(Path(a.baseline).read_text())["slices"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"baseline: {a.baseline} is not an eval-ppl report ({e})") from None
     eng = LLMEngine(engine_args(a, max_num_seqs=1))
+    if a.seq_len > eng.max_model_len:
+        raise ValueError(f"seq_len: {a.seq_len} exceeds max_model_len {eng.max_model_len}")
     if eng.tokenizer is None:
         raise ValueError(f"model {a.model!r} has no tokenizer: eval-ppl needs one")
-    if getattr(eng.model, "quant", None) and eng.model.quant.dense:
-        print(f"left dense: {len(eng.model.quant.dense)} linears, e.g. {eng.model.quant.dense[0]}", file=sys.stderr)
+    print(eng.describe(), file=sys.stderr)
     res = evaluate(eng, slices, a.tokens_per_slice, a.seq_len)
     report = {"model": a.model, "quantization": a.quantization, "dtype": str(eng.dtype), "machine": machine_info(),
               "tokens_per_slice": a.tokens_per_slice, "seq_len": a.seq_len, "slices": res}
     print(f"{'slice':<16}{'tokens':>8}{'ppl':>10}  95% CI")
     for name, r in res.items():
         print(f"{name:<16}{r['tokens']:>8}{r['ppl']:>10.3f}  [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]")
-    if a.baseline:
-        base = json.loads(Path(a.baseline).read_text())["slices"]
-        report["vs_baseline"] = cmp = compare(res, base)
-        print(f"\nincrease over {a.baseline} (paired bootstrap):")
+    rc = 0
+    if base is not None:
+        try:
+            report["vs_baseline"] = cmp = compare(res, base)
+        except ValueError as e:  # still write this run's report
+            report["vs_baseline_error"] = str(e)
+            print(f"mixserve eval-ppl: error: baseline {a.baseline}: {e}", file=sys.stderr)
+            cmp, rc = {}, 2
+        if cmp:
+            print(f"\nincrease over {a.baseline} (paired bootstrap):")
         for name, c in cmp.items():
             mark = "significant" if c["significant"] else ""
             print(f"{name:<16}{c['delta']:>+10.3f}  [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] {mark}")
@@ -160,7 +175,7 @@ def cmd_eval_ppl(a) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
-    return 0
+    return rc
 
 
 def main(argv=None) -> int:

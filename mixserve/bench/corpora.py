@@ -41,9 +41,11 @@ def stdlib_docs(split: str) -> list[str]:
         if (_bucket(rel) == 0) != (split == "eval"):
             continue
         try:
-            docs.append(f.read_text(encoding="utf-8"))
+            text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+        if len(text) >= 200:  # empty __init__.py files and stubs say nothing
+            docs.append(text)
     return docs
 
 
@@ -67,12 +69,14 @@ _OTHER = frozenset("de la que el en y los las un una por con para es del se le l
 
 def is_non_english(text: str) -> bool:
     """At least 30% of letters outside ASCII, or more foreign than English function words (>= 8%)."""
+    letters = [c for c in text if c.isalpha()]
+    if len(letters) < 30:
+        return False
+    if sum(ord(c) > 127 for c in letters) >= 0.3 * len(letters):
+        return True
     words = _WORD.findall(text)
     if len(words) < 30:
         return False
-    letters = sum(len(w) for w in words)
-    if sum(ord(c) > 127 for w in words for c in w) >= 0.3 * letters:
-        return True
     low = [w.lower() for w in words]
     en, other = sum(w in _EN for w in low), sum(w in _OTHER for w in low)
     return other > en and other >= 0.08 * len(low)
@@ -121,14 +125,22 @@ def file_docs(path: str | Path, tokenizer: Any = None) -> list[str]:
     raw = path.read_text(encoding="utf-8")
     if path.suffix not in (".jsonl", ".json"):
         return [raw]
-    docs = []
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
+    if raw.lstrip().startswith("["):  # a JSON array of records
         try:
-            obj = json.loads(line)
+            records = list(enumerate(json.loads(raw), 1))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    else:
+        records = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+    docs = []
+    for n, obj in records:
         if isinstance(obj, dict) and isinstance(obj.get("text"), str):
             docs.append(obj["text"])
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):

@@ -155,8 +155,21 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
             raise ValueError(f"quantization rtn: {folder} is already an AWQ checkpoint")
         quant = QuantSpec("rtn", group_size)
     elif quantization == "awq" and quant is None:
-        raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint; make one with "
-                         "`mixserve quantize --method awq --out DIR` and load DIR (AWQ is never replaced by RTN)")
+        # the result of a default `mixserve quantize --model spec`, if there is one
+        from mixserve.quant.awq import AWQConfig
+        from mixserve.quant.checkpoint import default_out_dir
+
+        cached = default_out_dir(spec, AWQConfig(), "pystdlib", 32, 512)
+        done = cached / "mixserve_quant.json"
+        if done.exists() and json.loads(done.read_text()).get("source") != str(Path(folder).resolve()):
+            raise ValueError(f"quantization awq: the cached run {cached} was made from another model than {folder}; "
+                             f"run `mixserve quantize --model {spec} --out DIR` and load DIR")
+        if not done.exists():
+            raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint and no default AWQ run is cached; "
+                             f"run `mixserve quantize --model {spec}` (AWQ is never replaced by RTN)")
+        folder = cached
+        cfg = ModelConfig.from_folder(folder)
+        quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
     weights = load_hf_weights(folder)
     model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
     del weights
@@ -255,6 +268,11 @@ class LLMEngine:
         if self.draft_cfg is not None:
             d = self.draft_cfg.kv_bytes_per_token(1) / (self.cfg.kv_bytes_per_token(1) + self.draft_cfg.kv_bytes_per_token(1))
             text += f"; {d:.0%} of it is the draft model's cache"
+        q = getattr(self.model, "quant", None)
+        if q is not None:
+            text += f"; weights int4 ({q.method}, group {q.group_size})"
+            if q.dense:
+                text += f", {len(q.dense)} linears left dense (e.g. {q.dense[0]})"
         return text
 
     # -- requests --------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixserve.layers.int4_dequant import dequantize_int4pack
+
 
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
@@ -105,6 +107,13 @@ class Int4Linear(nn.Module):
         why = int4_supported(self.out_features, self.in_features, group_size)
         if why:
             raise ValueError(why)
+        want = (self.out_features, self.in_features // group_size)
+        for name, t in (("scales", scales), ("zeros", zeros)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} does not match weight {tuple(q.shape)} at group "
+                                 f"size {group_size} (expected {want})")
+        if q.numel() and (q.min() < 0 or q.max() > 15):
+            raise ValueError("q: int4 values must lie in [0, 15]")
         self.group_size = group_size
         self.dtype = dtype
         self.dense_rows = INT4_DENSE_ROWS if dense_rows is None else dense_rows
@@ -123,6 +132,10 @@ class Int4Linear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] in the compute dtype."""
+        w = dequantize_int4pack(self.packed, self.scale_rows, self.zero_rows, self.out_features, self.in_features,
+                                self.group_size)
+        if w is not None:
+            return w
         q = _unpack_int4pack_cpu(self.packed, self.out_features, self.in_features)
         ng = self.in_features // self.group_size
         q = q.view(self.out_features, ng, self.group_size).to(self.dtype)
@@ -130,9 +143,12 @@ class Int4Linear(nn.Module):
         return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        x = x.to(self.dtype)
+        if rows == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         if x.device.type == "cpu" and rows < self.dense_rows:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).to(self.dtype), self.packed,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).contiguous(), self.packed,
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y

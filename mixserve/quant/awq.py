@@ -49,7 +49,7 @@ class AWQConfig:
     bits: int = 4
     n_grid: int = 20
     max_shrink: float = 0.5
-    search_tokens: int = 4096
+    search_tokens: int = 2048
     clip_tokens: int = 512
     seed: int = 0
 

@@ -91,7 +91,7 @@ def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int)
     return cache_root() / "quantized" / f"{name}-awq-w{qc.bits}-g{qc.group_size}-{tag}-{n}x{seq_len}"
 
 
-def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 150.0) -> float:
+def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 90.0) -> float:
     """Rough run time up front: the float forward over the calibration tokens, plus the α grid
     and clip searches (bf16 matmuls, counted at 3x the float32 rate)."""
     per_tok = 2 * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
@@ -121,16 +121,24 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     if n_samples < 1 or seq_len < 16:
         raise ValueError("calib_samples must be >= 1 and calib_seq_len >= 16")
     out = Path(out) if out else default_out_dir(model, qc, calib, n_samples, seq_len)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {out} is a file")
+    if out.is_dir() and any(out.iterdir()) and not (out / "mixserve_quant.json").exists():
+        raise ValueError(f"out: {out} is a non-empty folder that is not a mixserve quantize output; "
+                         "choose another (nothing was overwritten)")
     meta = {"model": model, "method": qc.method, "calib": calib if qc.method == "awq" else None,
             "calib_samples": n_samples, "calib_seq_len": seq_len, "lm_head": lm_head}
+    r = resolve_model(model)
+    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else Path(r.path)
+    if out.resolve() == folder.resolve():
+        raise ValueError("out: must not be the model's own folder")
+    meta["source"] = str(folder.resolve())
     done = out / "mixserve_quant.json"
     if done.exists():
         old = json.loads(done.read_text())
         if all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
             log(f"{out}: already quantized with these settings")
             return out
-    r = resolve_model(model)
-    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else Path(r.path)
     cfg = ModelConfig.from_folder(folder)
     if json.loads((folder / "config.json").read_text()).get("quantization_config"):
         raise ValueError(f"model: {folder} is already quantized; quantize a dense model")

@@ -43,13 +43,24 @@ class QuantSpec:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"quantization_config: AWQ version {version!r} is not supported (only gemm)")
-        return cls("awq", int(qc.get("group_size", qc.get("q_group_size", 128))))
+        g = qc.get("group_size", qc.get("q_group_size", 128))
+        if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
+            raise ValueError(f"quantization_config: group_size must be a positive multiple of 32 (got {g!r})")
+        return cls("awq", g)
 
 
 def _awq_parts(w: dict, name: str, group_size: int):
+    for leaf in ("qweight", "qzeros", "scales"):
+        if f"{name}.{leaf}" not in w:
+            raise ValueError(f"checkpoint: missing tensor {name}.{leaf}")
     q = unpack_awq(w[name + ".qweight"]).t()
     z = unpack_awq(w[name + ".qzeros"]).t()
-    return q, w[name + ".scales"].t(), z
+    s = w[name + ".scales"].t()
+    if s.shape != z.shape or q.shape[1] != s.shape[1] * group_size or q.shape[0] != s.shape[0]:
+        raise ValueError(f"checkpoint: {name} has qweight {tuple(q.t().shape)} int4 values, scales "
+                         f"{tuple(s.t().shape)}, qzeros {tuple(z.t().shape)} unpacked: these do not fit group size "
+                         f"{group_size} (config.json quantization_config)")
+    return q, s, z
 
 
 def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype, quant: QuantSpec | None,
@@ -65,6 +76,12 @@ def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype
     if all(n + ".bias" in w for n in names):
         bias = torch.cat([w[n + ".bias"].to(dtype) for n in names])
     is_awq = [n + ".qweight" in w for n in names]
+    if any(is_awq) and quant is None:
+        raise ValueError(f"checkpoint: {names[0]} holds int4 tensors (qweight) but config.json has no "
+                         "quantization_config")
+    for n, awq in zip(names, is_awq):
+        if not awq and n + ".weight" not in w:
+            raise ValueError(f"checkpoint: missing tensor {n}.weight")
     label = "+".join(n.rsplit(".", 1)[-1] for n in names)
     if quant is not None and allow_quant and all(is_awq):
         g = quant.group_size

@@ -237,3 +237,79 @@ def test_quantization_config_is_checked():
                      ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv")):
         with pytest.raises(ValueError, match=msg):
             QuantSpec.from_hf_config({"quantization_config": bad})
+
+
+def test_compiled_and_eager_dequantization_agree(monkeypatch):
+    import shutil
+
+    import mixserve.layers.int4_dequant as k
+
+    if shutil.which("g++"):
+        assert k._load() is not None, "the C++ dequantization kernel did not build"
+    for out_f, in_f, g, dt in ((80, 96, 32, torch.float32), (208, 384, 128, torch.bfloat16)):
+        q, s, z = quantize_groupwise(torch.randn(out_f, in_f), g)
+        lin = Int4Linear(q, s, z, g, None, dt)
+        compiled = lin.dense_weight()
+        with monkeypatch.context() as m:
+            m.setattr(k, "_module", None)
+            m.setattr(k, "_failed", True)  # as on a machine without a compiler
+            eager = lin.dense_weight()
+        assert torch.equal(compiled, eager)
+        if dt == torch.float32:
+            assert torch.equal(eager, dequantize_groupwise(q, s, z))
+
+
+def test_int4_linear_checks_shapes_and_takes_awkward_inputs():
+    q, s, z = quantize_groupwise(torch.randn(64, 128), 32)
+    with pytest.raises(ValueError, match="scales: shape"):
+        Int4Linear(q, s[:, :2], z, 32, None, torch.float32)
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        Int4Linear(q + 16, s, z, 32, None, torch.float32)
+    lin = Int4Linear(q, s, z, 32, None, torch.float32, dense_rows=16)
+    assert lin(torch.randn(0, 128)).shape == (0, 64) and lin(torch.randn(2, 0, 128)).shape == (2, 0, 64)
+    x = torch.randn(128, 5).t()  # non-contiguous, kernel path
+    torch.testing.assert_close(lin(x), lin(x.contiguous()))
+    xb = torch.randn(40, 128).to(torch.bfloat16)  # another dtype, dense path
+    assert lin(xb).dtype == torch.float32
+
+
+def test_bad_checkpoints_are_refused_by_name():
+    with pytest.raises(ValueError, match="group_size"):
+        QuantSpec.from_hf_config({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": None}})
+    cfg = tiny_cfg()
+    qc = AWQConfig(method="rtn", group_size=32)
+    w, report = quantize_weights(cfg, tiny_weights(cfg), None, qc, progress=False)
+    sd = build_state_dict(cfg, w, qc, report)
+    with pytest.raises(ValueError, match="no quantization_config"):
+        LlamaForCausalLM(cfg, sd, torch.float32, 256, None)
+    with pytest.raises(ValueError, match="do not fit group size"):
+        LlamaForCausalLM(cfg, sd, torch.float32, 256, QuantSpec("awq", 64))
+    del sd["model.layers.1.mlp.down_proj.qzeros"]
+    with pytest.raises(ValueError, match="missing tensor model.layers.1.mlp.down_proj.qzeros"):
+        LlamaForCausalLM(cfg, sd, torch.float32, 256, QuantSpec("awq", 32))
+
+
+def test_quantize_never_overwrites_a_users_folder(tmp_path):
+    from safetensors.torch import save_file
+
+    from mixserve.quant.checkpoint import quantize
+
+    cfg = tiny_cfg()
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    save_file(tiny_weights(cfg), str(dense / "model.safetensors"))
+    (dense / "config.json").write_text(json.dumps(cfg.to_hf()))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    qc = AWQConfig(method="rtn", group_size=32)
+    with pytest.raises(ValueError, match="not a mixserve quantize output"):
+        quantize(str(dense), qc, out=mine, log=lambda *_: None)
+    assert (mine / "notes.txt").read_text() == "precious"
+    with pytest.raises(ValueError, match="own folder|nothing was overwritten"):
+        quantize(str(dense), qc, out=dense, log=lambda *_: None)
+    out = quantize(str(dense), qc, out=tmp_path / "q", log=lambda *_: None)
+    assert json.loads((out / "mixserve_quant.json").read_text())["source"] == str(dense.resolve())
+    msgs = []
+    assert quantize(str(dense), qc, out=tmp_path / "q", log=msgs.append) == out
+    assert "already quantized" in msgs[0]
