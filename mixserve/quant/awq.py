@@ -42,7 +42,8 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 class AWQConfig:
     """method: "awq" or "rtn". group_size: input channels per group. n_grid: α grid points and
     clipping steps. max_shrink: largest clipping (0.5 = clip at half the max). search_tokens /
-    clip_tokens: calibration tokens (sampled) used by the scale and clip searches. seed: sampling."""
+    clip_tokens: calibration tokens (strided from token 0) used by the scale and clip searches.
+    seed: the shuffle of calibration documents."""
 
     method: str = "awq"
     group_size: int = 128
@@ -178,15 +179,17 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
         report.seconds = time.perf_counter() - t0
         return out, report
 
-    gen = torch.Generator().manual_seed(qc.seed)
     x = F.embedding(calib, weights["model.embed_tokens.weight"].float())
     B, T = calib.shape
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
     freqs = torch.outer(torch.arange(T).float(), inv)
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     n_tok = B * T
-    search_idx = torch.randperm(n_tok, generator=gen)[: qc.search_tokens]
-    clip_idx = search_idx[: qc.clip_tokens]
+    # strided samples starting at token 0, so every calibration window's first tokens are scored:
+    # that is where this family's massive activations live (AutoAWQ samples the same way); a
+    # random sample misses them and lets clipping destroy weights only those tokens exercise
+    search_idx = torch.arange(0, n_tok, max(1, n_tok // qc.search_tokens))[: qc.search_tokens]
+    clip_idx = torch.arange(0, n_tok, max(1, n_tok // qc.clip_tokens))[: qc.clip_tokens]
     skipped = {s.split(":")[0] for s in report.skipped}
     bar = tqdm(range(cfg.num_layers), desc="awq", unit="block", disable=not progress)
     for i in bar:

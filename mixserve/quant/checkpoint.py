@@ -91,7 +91,7 @@ def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int)
     return cache_root() / "quantized" / f"{name}-awq-w{qc.bits}-g{qc.group_size}-{tag}-{n}x{seq_len}"
 
 
-def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 90.0) -> float:
+def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 55.0) -> float:
     """Rough run time up front: the float forward over the calibration tokens, plus the α grid
     and clip searches (bf16 matmuls, counted at 3x the float32 rate)."""
     per_tok = 2 * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
