@@ -1,4 +1,4 @@
-"""Command line: `mixserve pull | generate | bench | quantize | eval-ppl`."""
+"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl`."""
 from __future__ import annotations
 
 import argparse
@@ -123,6 +123,32 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import os
+
+    if a.max_waiting is not None and a.max_waiting < 0:
+        raise ValueError(f"max_waiting: must be >= 0 (got {a.max_waiting})")
+    if a.request_timeout is not None and not a.request_timeout > 0:
+        raise ValueError(f"request_timeout: must be > 0 seconds (got {a.request_timeout})")
+    if a.max_n < 1 or a.shutdown_grace < 0:
+        raise ValueError("max_n must be >= 1 and shutdown_grace >= 0")
+    import uvicorn
+
+    from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.server.api import ServerConfig, create_app
+
+    eng = LLMEngine(engine_args(a))
+    print(eng.describe(), file=sys.stderr)
+    cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
+                       api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,
+                       request_timeout=a.request_timeout, max_n=a.max_n)
+    # uvicorn handles SIGINT/SIGTERM: stop accepting, let running requests finish for
+    # shutdown_grace seconds, cancel (= abort) the rest, then the app's lifespan stops the engine.
+    uvicorn.run(create_app(eng, cfg), host=a.host, port=a.port, timeout_graceful_shutdown=a.shutdown_grace,
+                access_log=a.access_log, log_level="info")
+    return 0
+
+
 def cmd_quantize(a) -> int:
     from mixserve.quant.awq import AWQConfig
     from mixserve.quant.checkpoint import quantize
@@ -210,6 +236,22 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the `model` clients must send (default: --model)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set MIXSERVE_API_KEY)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="most requests waiting for admission; beyond it HTTP 503 with Retry-After (default no limit)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds after which a request is aborted (default no limit)")
+    p.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) accepted")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("quantize", help="write an int4 checkpoint (AWQ or round-to-nearest, AutoAWQ GEMM layout)")
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (dense)")

@@ -257,6 +257,10 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        # cumulative token counts (tokens) for monitoring: prompts of accepted requests, and
+        # every generated token (aborted requests' included)
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -281,9 +285,30 @@ class LLMEngine:
             raise ValueError("prompt: this model has no tokenizer; pass token ids")
         return self.tokenizer.encode(prompt)
 
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field ("prompt: ..." or "max_tokens: ...") if a request with
+        prompt token ids `ids` and `params` can never be served. Reads only settings fixed at
+        construction, so another thread may call it while the engine steps (the server does)."""
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+            raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, the context is {self.max_model_len} tokens")
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
+                             f"tokens exceeds max_model_len {self.max_model_len}")
+        if self.block_manager.blocks_for(total) > self.num_blocks:
+            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
+                             f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises ValueError (nothing is queued) if it cannot be served."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError (nothing is queued) if it cannot be served.
+
+        arrival_time: time.perf_counter() seconds when the request arrived (TTFT and E2E count
+        from it); default now. A server passes the time the HTTP request came in."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -298,19 +323,7 @@ class LLMEngine:
             text, ids = None, list(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-            raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
-        total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, the context is {self.max_model_len} tokens")
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
-                             f"tokens exceeds max_model_len {self.max_model_len}")
-        if self.block_manager.blocks_for(total) > self.num_blocks:
-            raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
-                             f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
+        self.check_request(ids, params)
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:  # skip ids a caller chose explicitly
@@ -318,8 +331,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self.num_prompt_tokens += len(ids)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -469,6 +485,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
         p = seq.params
         seq.token_ids.append(tok)
+        self.num_generated_tokens += 1
         if lp is not None:
             seq.logprobs.append(lp)
         if seq.first_token_time is None:

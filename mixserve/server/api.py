@@ -1,0 +1,472 @@
+"""OpenAI-compatible HTTP API (FastAPI) over the engine thread of engine_loop.py.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every request is checked completely (types, ranges, context and KV limits) before it
+reaches the engine, so a bad request is an HTTP 400 naming the field and never an engine error.
+Whatever ends a request early (client gone, --request-timeout, shutdown) aborts it in the engine,
+which frees its KV blocks before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mixserve.engine.llm_engine import LLMEngine, RequestOutput
+from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
+from mixserve.server.metrics import ServerMetrics
+from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, field_error,
+                                      parse_request, sampling_params)
+
+log = logging.getLogger("mixserve.server")
+
+
+@dataclass
+class ServerConfig:
+    """HTTP-side settings.
+
+    served_model_name: the only `model` value accepted (and listed by /v1/models).
+    api_key: if set, /v1/* requires `Authorization: Bearer <api_key>` (else HTTP 401).
+    max_waiting: most requests waiting for admission; beyond it HTTP 503 with Retry-After
+        (`retry_after` seconds). None: unbounded.
+    request_timeout: seconds from arrival after which a request is aborted (HTTP 504, or an
+        error event on a stream). None: no limit.
+    max_n: largest `n` accepted.
+    """
+
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting: int | None = None
+    request_timeout: float | None = None
+    max_n: int = 16
+    retry_after: int = 1
+
+
+class _RequestTimeout(Exception):
+    pass
+
+
+@dataclass
+class _Choice:
+    """One sample being generated (one engine request)."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    prompt_ids: list[int]
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Job:
+    """Everything one HTTP request submitted: its choices share one output queue."""
+
+    id: str
+    kind: str  # "completions" | "chat"
+    req: CompletionRequest | ChatCompletionRequest
+    prompts: list[tuple[str | None, list[int]]]
+    choices: list[_Choice]
+    queue: asyncio.Queue
+    created: int
+    logprobs: int | None
+    params: list = field(default_factory=list)  # SamplingParams per choice
+    timer: asyncio.TimerHandle | None = None
+
+    def by_id(self) -> dict[str, _Choice]:
+        return {c.request_id: c for c in self.choices}
+
+
+def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `engine`. Its lifespan starts the engine thread and, at shutdown,
+    aborts what still runs and joins the thread. The engine must not be stepped elsewhere."""
+    tokenizer = None
+    if engine.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        # A second instance: HF fast tokenizers can fail with "Already borrowed" when one
+        # instance is used from two threads, and the engine thread decodes all the time.
+        tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
+    metrics: ServerMetrics | None = None
+    loop = EngineLoop(engine, cfg.max_waiting, on_finish=lambda out: metrics.observe(out))
+    metrics = ServerMetrics(engine, lambda: loop.num_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        await loop.stop()
+
+    app = FastAPI(title="mixserve", lifespan=lifespan)
+    app.state.engine_loop = loop
+    app.state.metrics = metrics
+    app.state.config = cfg
+
+    # -- errors in OpenAI's shape ----------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        if e.status in (429, 503):
+            metrics.rejected.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail), type="invalid_request_error").body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(bad_request(None, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
+                           code="invalid_api_key")
+
+    # -- plain endpoints -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            raise APIError(503, "the engine thread is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "mixserve",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, "chat")
+
+    # -- the generation path ---------------------------------------------------------------------
+    async def serve(request: Request, kind: str):
+        arrival = time.perf_counter()
+        authorize(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(None, f"the request body is not valid JSON: {e}") from None
+        req = parse_request(kind, body)
+        job = prepare(kind, req)
+        submit(job, arrival)
+        if req.stream:
+            return _EngineStream(stream_events(job), on_close=lambda: abort(job, "client_closed"))
+        try:
+            return await collect(job, request)
+        finally:
+            abort(job, "client_closed")
+
+    def prepare(kind: str, req) -> _Job:
+        if req.model != cfg.served_model_name:
+            raise bad_request("model", f"model: {req.model!r} is not served here; use {cfg.served_model_name!r}",
+                              "model_not_found")
+        if not 1 <= req.n <= cfg.max_n:
+            raise bad_request("n", f"n: must be in [1, {cfg.max_n}] (got {req.n})")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options", "stream_options: only allowed with stream: true")
+        if kind == "completions":
+            prompts = completion_prompts(req)
+            logprobs = req.logprobs
+            if req.echo and logprobs is not None:
+                raise bad_request("echo", "echo: not supported together with logprobs (no prompt logprobs)")
+        else:
+            prompts = [chat_prompt(req)]
+            if req.top_logprobs is not None and not req.logprobs:
+                raise bad_request("top_logprobs", "top_logprobs: requires logprobs: true")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.max_tokens is not None and getattr(req, "max_completion_tokens", None) is not None:
+            raise bad_request("max_tokens", "max_tokens: give max_tokens or max_completion_tokens, not both")
+        job_id = ("cmpl-" if kind == "completions" else "chatcmpl-") + uuid.uuid4().hex
+        choices = []
+        params = []
+        for p, (_, ids) in enumerate(prompts):
+            max_tokens = req.max_tokens if kind == "completions" else (req.max_tokens or req.max_completion_tokens)
+            if max_tokens is None:  # chat default: whatever context is left
+                max_tokens = max(1, min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids))
+            for j in range(req.n):
+                k = len(choices)
+                seed = None if req.seed is None else (req.seed + k) % 2**63
+                sp = sampling_params(req, max_tokens, seed, logprobs)
+                try:
+                    engine.check_request(ids, sp)
+                except ValueError as e:
+                    raise bad_request(*field_error(req, e)) from None
+                choices.append(_Choice(k, f"{job_id}-{k}", p, ids))
+                params.append(sp)
+        return _Job(job_id, kind, req, prompts, choices, asyncio.Queue(), int(time.time()), logprobs, params)
+
+    def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise bad_request("prompt", "prompt: must not be empty")
+        out = []
+        for p in raw:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt", "prompt: must not be empty")
+                if tokenizer is None:
+                    raise bad_request("prompt", "prompt: this model has no tokenizer; send token ids")
+                out.append((p, tokenizer.encode(p)))
+            else:
+                if not p:
+                    raise bad_request("prompt", "prompt: must not be empty")
+                out.append((None, list(p)))
+        return out
+
+    def chat_prompt(req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
+        if not req.messages:
+            raise bad_request("messages", "messages: must not be empty")
+        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (e.g. roles must alternate)
+            raise bad_request("messages", f"messages: the chat template refused them: {e}") from None
+        # The template writes BOS and the other special tokens itself: encoding must not add a second BOS.
+        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def submit(job: _Job, arrival: float) -> None:
+        added = []
+        try:
+            for c, sp in zip(job.choices, job.params):
+                loop.add(c.request_id, c.prompt_ids, sp, arrival, job.queue)
+                added.append(c)
+        except ServerOverloaded as e:
+            for c in added:
+                loop.abort(c.request_id)
+            raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="server_busy",
+                           headers={"Retry-After": str(cfg.retry_after)}) from None
+        if cfg.request_timeout is not None:
+            job.timer = asyncio.get_running_loop().call_later(cfg.request_timeout, on_timeout, job)
+
+    def on_timeout(job: _Job) -> None:
+        job.timer = None
+        if any(c.finish_reason is None for c in job.choices):
+            abort(job, "timeout")
+            job.queue.put_nowait(_RequestTimeout())
+
+    def abort(job: _Job, reason: str) -> None:
+        """Abort every unfinished choice (a no-op once all finished)."""
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
+        for c in job.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                loop.abort(c.request_id)
+                metrics.aborted.labels(reason).inc()
+
+    async def next_output(job: _Job, by_id: dict) -> tuple[_Choice, RequestOutput]:
+        item = await job.queue.get()
+        if isinstance(item, _RequestTimeout):
+            raise APIError(504, f"request timed out after {cfg.request_timeout} s and was aborted",
+                           type="timeout_error", code="request_timeout")
+        if isinstance(item, EngineFailure):
+            status = 503 if "shutting down" in str(item) else 500
+            raise APIError(status, str(item), type="server_error")
+        return by_id[item.request_id], item
+
+    def absorb(job: _Job, c: _Choice, out: RequestOutput) -> tuple[list[int], list]:
+        """Record an output; returns the token ids and logprobs it added."""
+        new_ids = out.token_ids[len(c.token_ids):]
+        c.token_ids = list(out.token_ids)
+        new_lps = []
+        if out.logprobs is not None:
+            new_lps = out.logprobs[len(c.logprobs):]
+            c.logprobs = list(out.logprobs)
+        c.text.append(out.new_text)
+        if out.finished:
+            c.finish_reason = out.finish_reason
+        return new_ids, new_lps
+
+    async def collect(job: _Job, request: Request) -> JSONResponse:
+        """Wait for every choice, or for the client to disconnect (then abort)."""
+        async def gather():
+            by_id, left = job.by_id(), len(job.choices)
+            while left:
+                c, out = await next_output(job, by_id)
+                absorb(job, c, out)
+                left -= out.finished
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            abort(job, "client_closed")
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        work.result()  # raises the APIError of a timeout or engine failure
+        return JSONResponse(final_body(job))
+
+    def final_body(job: _Job) -> dict:
+        choices = []
+        for c in job.choices:
+            text = "".join(c.text)
+            if job.kind == "completions":
+                if job.req.echo:
+                    text = prompt_text(job, c) + text
+                ch = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, 0),
+                      "finish_reason": c.finish_reason}
+            else:
+                ch = {"index": c.index, "message": {"role": "assistant", "content": text},
+                      "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+            if job.req.return_token_ids:
+                ch["token_ids"] = c.token_ids
+                ch["prompt_token_ids"] = c.prompt_ids
+            choices.append(ch)
+        return {"id": job.id, "object": "text_completion" if job.kind == "completions" else "chat.completion",
+                "created": job.created, "model": cfg.served_model_name, "choices": choices, "usage": usage(job)}
+
+    def usage(job: _Job) -> dict:
+        prompt = sum(len(ids) for _, ids in job.prompts)
+        completion = sum(len(c.token_ids) for c in job.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def prompt_text(job: _Job, c: _Choice) -> str:
+        text, ids = job.prompts[c.prompt_index]
+        if text is None:
+            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        return text
+
+    def token_text(tok_id: int) -> str:
+        return tokenizer.decode([tok_id]) if tokenizer is not None else ""
+
+    def completion_logprobs(lps: list, offset: int) -> dict | None:
+        if not lps or lps[0] is None:
+            return None
+        tokens, offsets, pos = [], [], offset
+        for lp in lps:
+            t = token_text(lp.token_id)
+            tokens.append(t)
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+
+    def chat_logprobs(lps: list) -> dict | None:
+        if not lps or lps[0] is None:
+            return None
+        def entry(tok_id, lp):
+            t = token_text(tok_id)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in lps]}
+
+    # -- streaming -------------------------------------------------------------------------------
+    async def stream_events(job: _Job):
+        """Server-sent events: one chunk per engine output that adds text (the engine never
+        splits a UTF-8 character and holds back what may start a stop string), a final chunk per
+        choice with its finish_reason, the usage chunk if asked, then [DONE]."""
+        req = job.req
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        obj = "text_completion" if job.kind == "completions" else "chat.completion.chunk"
+        text_offsets = {c.index: 0 for c in job.choices}
+
+        def chunk(choices: list[dict], usage_=None) -> str:
+            d = {"id": job.id, "object": obj, "created": job.created, "model": cfg.served_model_name,
+                 "choices": choices}
+            if include_usage:
+                d["usage"] = usage_
+            return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
+
+        def choice(c: _Choice, text: str, new_ids: list[int], new_lps: list, first: bool = False) -> dict:
+            if job.kind == "completions":
+                ch = {"index": c.index, "text": text,
+                      "logprobs": completion_logprobs(new_lps, text_offsets[c.index]) if job.logprobs is not None
+                      else None, "finish_reason": c.finish_reason}
+                text_offsets[c.index] += len(text)
+            else:
+                delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+                ch = {"index": c.index, "delta": delta,
+                      "logprobs": chat_logprobs(new_lps) if job.logprobs is not None and new_lps else None,
+                      "finish_reason": c.finish_reason}
+            if req.return_token_ids:
+                ch["token_ids"] = new_ids
+                if first:
+                    ch["prompt_token_ids"] = c.prompt_ids
+            return ch
+
+        try:
+            if job.kind == "chat":
+                yield chunk([choice(c, "", [], [], first=True) for c in job.choices])
+            elif req.echo:
+                yield chunk([choice(c, prompt_text(job, c), [], []) for c in job.choices])
+            by_id, left = job.by_id(), len(job.choices)
+            while left:
+                c, out = await next_output(job, by_id)
+                new_ids, new_lps = absorb(job, c, out)
+                left -= out.finished
+                if out.new_text or out.finished or (new_ids and (req.return_token_ids or job.logprobs is not None)):
+                    yield chunk([choice(c, out.new_text, new_ids, new_lps)])
+            if include_usage:
+                yield chunk([], usage(job))
+        except APIError as e:  # headers are gone: the error becomes an event, as vLLM does
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has gone (its body is already read, so the next ASGI message of
+    this request can only be the disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _EngineStream(StreamingResponse):
+    """A server-sent-event response that calls `on_close` however it ends (done, client gone,
+    cancelled at shutdown), so an unfinished request is always aborted."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

@@ -1,0 +1,195 @@
+"""The engine on its own thread, driven from asyncio.
+
+One thread owns the `LLMEngine` and is the only one that calls into it (add, abort, step). The
+asyncio side sends it commands through a thread-safe queue; the thread applies all pending
+commands between two steps (so an abort takes effect within one step) and hands each step's
+outputs back to the event loop in ONE `call_soon_threadsafe` call, which keeps the per-step cost
+of the HTTP side independent of how many streams are open.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from mixserve.engine.llm_engine import LLMEngine, RequestOutput
+from mixserve.sampling_params import SamplingParams
+
+log = logging.getLogger("mixserve.server")
+
+
+class EngineFailure(Exception):
+    """The engine raised while running request `request_id` (or refused it at add time); the
+    message says why. The engine itself keeps serving other requests."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class ServerOverloaded(Exception):
+    """The waiting queue holds `max_waiting` requests already; retry later."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue read by its HTTP handler."""
+
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a dedicated thread while requests are added and aborted from an
+    asyncio event loop.
+
+    Args:
+        engine: the engine; after `start()` no other thread may call it (reading its fixed
+            settings, e.g. `check_request`, `max_model_len`, is fine).
+        max_waiting: most requests waiting for admission (queued commands + the scheduler's
+            waiting queue); `add` raises ServerOverloaded beyond it. None: no limit.
+        on_finish: called on the event loop with each final RequestOutput (metrics).
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_finish=None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finish = on_finish
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # adds sent but not yet applied by the engine thread; each side only ever writes its own
+        # counter, so no lock is needed to read their difference
+        self._adds_sent = 0
+        self._adds_applied = 0
+        self.step_errors = 0
+
+    # -- lifecycle (event loop side) -------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; must be called from the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mixserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever still runs, stop the engine thread and wait for it (seconds at most one
+        engine step). Open streams receive an EngineFailure("server shutting down")."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: sent adds the thread has not applied + the scheduler's
+        waiting queue (a racy but atomic read of a deque's length)."""
+        return self._adds_sent - self._adds_applied + len(self.engine.scheduler.waiting)
+
+    # -- requests (event loop side) --------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            arrival_time: float | None = None, out: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request whose prompt and params passed `engine.check_request`.
+
+        arrival_time: time.perf_counter() seconds of its arrival (default now). out: the queue
+        that receives its RequestOutputs (the last one `finished`), or an EngineFailure if the
+        engine fails it; several requests may share one (n > 1). Returns that queue.
+        Raises ServerOverloaded when `max_waiting` requests already wait, RuntimeError when the
+        loop is not running.
+        """
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise ServerOverloaded(f"{self.num_waiting} requests are waiting (limit {self.max_waiting})")
+        stream = _Stream(out if out is not None else asyncio.Queue())
+        self._streams[request_id] = stream
+        self._adds_sent += 1
+        self._commands.put(("add", request_id, prompt_ids, params, arrival_time or time.perf_counter()))
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); the engine frees its KV blocks before
+        its next step. Its queue receives nothing more."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", request_id))
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            # block only while idle: a busy engine must not wait for commands
+            cmd = self._commands.get() if not eng.has_unfinished() else self._get_nowait()
+            failures: list[tuple[str, str]] = []
+            while cmd is not None:
+                if cmd is _STOP:
+                    self._shutdown()
+                    return
+                if cmd[0] == "add":
+                    _, rid, ids, params, arrival = cmd
+                    try:
+                        eng.add_request(ids, params, request_id=rid, arrival_time=arrival)
+                    except Exception as e:  # checked before sending, so only a race or a bug lands here
+                        failures.append((rid, str(e)))
+                    self._adds_applied += 1
+                else:
+                    eng.abort(cmd[1])
+                cmd = self._get_nowait()
+            outputs: list[RequestOutput] = []
+            if eng.has_unfinished():
+                try:
+                    outputs = eng.step()
+                except Exception as e:
+                    # We cannot tell which request broke the step, so every unfinished one fails
+                    # (blocks freed); the engine stays up for the requests that come next.
+                    log.exception("engine step failed; failing %d requests", len(eng.requests))
+                    self.step_errors += 1
+                    for rid in list(eng.requests):
+                        eng.abort(rid)
+                        failures.append((rid, f"engine error: {type(e).__name__}: {e}"))
+            if outputs or failures:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs, failures)
+
+    def _get_nowait(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _shutdown(self) -> None:
+        failures = []
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            failures.append((rid, "server shutting down"))
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, [], failures)
+        except RuntimeError:  # the event loop is already closed: nobody is listening
+            pass
+
+    # -- back on the event loop ------------------------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[str, str]]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                if self.on_finish is not None:
+                    self.on_finish(out)
+            if stream is not None:
+                stream.finished = out.finished
+                stream.queue.put_nowait(out)
+        for rid, why in failures:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finished = True
+                stream.queue.put_nowait(EngineFailure(rid, why))
