@@ -132,6 +132,8 @@ def cmd_serve(a) -> int:
         raise ValueError(f"request_timeout: must be > 0 seconds (got {a.request_timeout})")
     if a.max_n < 1 or a.shutdown_grace < 0:
         raise ValueError("max_n must be >= 1 and shutdown_grace >= 0")
+    import signal
+
     import uvicorn
 
     from mixserve.engine.llm_engine import LLMEngine
@@ -144,6 +146,9 @@ def cmd_serve(a) -> int:
                        request_timeout=a.request_timeout, max_n=a.max_n)
     # uvicorn handles SIGINT/SIGTERM: stop accepting, let running requests finish for
     # shutdown_grace seconds, cancel (= abort) the rest, then the app's lifespan stops the engine.
+    # Afterwards it re-raises the signal under the handler found at start: make that one a clean
+    # exit, since the shutdown has already been done in order.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(eng, cfg), host=a.host, port=a.port, timeout_graceful_shutdown=a.shutdown_grace,
                 access_log=a.access_log, log_level="info")
     return 0

@@ -196,6 +196,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                               "model_not_found")
         if not 1 <= req.n <= cfg.max_n:
             raise bad_request("n", f"n: must be in [1, {cfg.max_n}] (got {req.n})")
+        if req.seed is not None and not 0 <= req.seed < 2**63:
+            raise bad_request("seed", f"seed: must be an integer in [0, 2**63) (got {req.seed})")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options", "stream_options: only allowed with stream: true")
         if kind == "completions":

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible server on SmolLM2-135M (float32, loopback), driven by the official client.
+
+Greedy outputs are compared with the offline `LLM.generate` of a second engine under the near-tie
+rule (tests/reference.py): the server batches differently, so float rounding may flip an argmax
+where the reference's top-two logits are within 0.01.
+"""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mixserve import SamplingParams
+from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+from mixserve.llm import LLM
+from mixserve.server.api import ServerConfig
+from tests.live_server import LiveServer, gap_logits
+from tests.reference import compare_greedy
+
+pytestmark = pytest.mark.integration
+
+KEY = "test-key"
+NAME = "smol"
+ENGINE = dict(dtype="float32", kv_cache_memory="160MiB", max_model_len=512, progress=False)
+CHAT = [{"role": "user", "content": "Say hi in Chinese and add an emoji."}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    srv = LiveServer(LLMEngine(EngineArgs(model=smollm2_path, **ENGINE)), ServerConfig(NAME, api_key=KEY))
+    yield srv
+    srv.stop()
+    assert not srv.thread.is_alive() and not srv.loop.alive
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_path):
+    return LLM(smollm2_path, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, **kw)
+
+
+def assert_same_greedy(server_ids, ref):
+    c = compare_greedy(server_ids, ref.token_ids, gap_logits(ref.logprobs))
+    assert c.ok, f"diverged at token {c.position}, top-2 gap {c.gap}"
+    return c
+
+
+def metrics(server) -> dict:
+    text = httpx.get(server.url + "/metrics").text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+# -- shapes, equality with offline generation ------------------------------------------------------
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(server.url + "/v1/completions", json={"model": NAME, "prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_completions_greedy_equal_offline(server, client, offline):
+    prompts = ["def quicksort(arr):", "The three primary colors are"]
+    refs = offline.generate(prompts, greedy(32))
+    for prompt, ref in zip(prompts, refs):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=32, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        assert_same_greedy(ch.token_ids, ref)
+        if ch.token_ids == ref.token_ids:
+            assert ch.text == ref.text and ch.finish_reason == ref.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ch.token_ids)
+        assert r.object == "text_completion" and r.model == NAME
+        # the same request streamed joins to the same text and tokens
+        chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"return_token_ids": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ch.text
+        assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == ch.token_ids
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ch.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ch.token_ids)
+    # echo puts the prompt in front
+    r = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(prompts[0]) and len(r.choices[0].text) > len(prompts[0])
+
+
+def test_chat_greedy_equal_offline_one_bos(server, client, offline):
+    tok = offline.tokenizer
+    ref = offline.chat(CHAT, greedy(30))[0]
+    template_ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)["input_ids"]
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=30, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    # the template's own tokens, no second BOS in front
+    assert ch.prompt_token_ids == template_ids == ref.prompt_token_ids
+    assert ch.prompt_token_ids[:2] != [tok.bos_token_id] * 2
+    assert_same_greedy(ch.token_ids, ref)
+    if ch.token_ids == ref.token_ids:
+        assert ch.message.content == ref.text
+    assert ch.message.role == "assistant" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(template_ids) and r.usage.completion_tokens == len(ch.token_ids)
+    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=30, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ch.message.content
+    assert chunks[-1].choices[0].finish_reason == ch.finish_reason
+
+
+# -- streaming: UTF-8, stop strings, chunks while generating ---------------------------------------
+def test_stream_multibyte_joins_exactly(server, client, offline):
+    tok = offline.tokenizer
+    r = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=30, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    text, ids = r.choices[0].message.content, r.choices[0].token_ids
+    # the case worth testing: a character whose UTF-8 bytes are spread over several tokens
+    assert any(ord(ch) > 0x2E80 for ch in text), text
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "no token splits a character: pick another prompt"
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=30, temperature=0, stream=True)]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_across_tokens(server, client, offline):
+    tok = offline.tokenizer
+    prompt = "def quicksort(arr):"
+    full = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    toks = full.token_ids
+    k = next(i for i in range(3, len(toks) - 1)
+             if len(tok.decode([toks[i]])) >= 2 and len(tok.decode([toks[i + 1]])) >= 2)
+    stop = tok.decode([toks[k]])[-1] + tok.decode([toks[k + 1]])[0]
+    cut = full.text.find(stop)
+    assert cut >= 0
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
+    assert plain.choices[0].text == full.text[:cut] and plain.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == full.text[:cut]
+    assert not any(stop in p for p in pieces)
+
+
+def test_chunks_arrive_while_generating(server, client):
+    t0 = time.perf_counter()
+    first_still_running, times = None, []
+    for c in client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True}):
+        if c.choices and c.choices[0].text:
+            times.append(time.perf_counter() - t0)
+            if first_still_running is None:
+                first_still_running = f"{c.id}-0" in server.engine.requests
+    assert first_still_running, "the first chunk came after the request had finished"
+    assert len(times) >= 20 and times[0] < 0.5 * times[-1]
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+N_CANCEL = 50
+
+
+def test_cancel_half_of_streams(server, offline):
+    prompts = [f"Fact {i}: the number {i * 7} is" for i in range(N_CANCEL)]
+    max_tokens = 24
+    before = metrics(server)
+
+    async def one(client, i):
+        stream = await client.completions.create(model=NAME, prompt=prompts[i], max_tokens=max_tokens,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+        ids = []
+        async for c in stream:
+            ids += c.choices[0].token_ids
+            if i % 2 and len(ids) >= 2:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return ids
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(N_CANCEL)))
+
+    got = asyncio.run(run())
+    assert server.wait_idle(10), "requests still running or KV blocks not freed after the clients left"
+    after = metrics(server)
+    assert after["mixserve_kv_cache_blocks_used"] == 0
+    survivors = [i for i in range(N_CANCEL) if i % 2 == 0]
+    assert all(got[i] is not None and len(got[i]) == max_tokens for i in survivors)
+    # the cancelled half stopped early: far fewer tokens than if they had run to the end
+    generated = after["mixserve_generation_tokens_total"] - before["mixserve_generation_tokens_total"]
+    assert generated < len(survivors) * max_tokens + (N_CANCEL - len(survivors)) * max_tokens / 2
+    refs = offline.generate([prompts[i] for i in survivors], greedy(max_tokens, ignore_eos=True))
+    ties = sum(assert_same_greedy(got[i], ref).tie_used for i, ref in zip(survivors, refs))
+    print(f"tie rule used for {ties}/{len(survivors)} survivors")
+
+
+def test_disconnect_and_timeout_abort_non_streaming(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, headers=h, timeout=0.7)
+    assert server.wait_idle(5)
+    assert metrics(server)["mixserve_generation_tokens_total"] - before["mixserve_generation_tokens_total"] < 300
+    server.config.request_timeout = 0.5
+    try:
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=h, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+        assert server.wait_idle(5)
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=h,
+                          timeout=30) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout" and events[-1] == "[DONE]"
+        assert server.wait_idle(5)
+    finally:
+        server.config.request_timeout = None
+
+
+# -- bad input, overload, engine failure -----------------------------------------------------------
+LONG = "hello " * 600
+C, CH = "completions", "chat/completions"
+BAD = [
+    (C, {"prompt": ""}, "prompt"), (C, {"prompt": []}, "prompt"), (C, {"prompt": 123}, "prompt"),
+    (C, {"prompt": [1, True]}, "prompt"), (C, {"prompt": [10**7]}, "prompt"), (C, {"prompt": LONG}, "prompt"),
+    (C, {"prompt": "hi", "max_tokens": 600}, "max_tokens"), (C, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": "10"}, "max_tokens"), (C, {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    (C, {"prompt": "hi", "temperature": -1}, "temperature"), (C, {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    (C, {"prompt": "hi", "top_k": 1.5}, "top_k"), (C, {"prompt": "hi", "min_p": 2}, "min_p"),
+    (C, {"prompt": "hi", "n": 0}, "n"), (C, {"prompt": "hi", "n": 1000}, "n"),
+    (C, {"prompt": "hi", "logprobs": 50}, "logprobs"), (C, {"prompt": "hi", "seed": -1}, "seed"),
+    (C, {"prompt": "hi", "stop": 5}, "stop"), (C, {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    (C, {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    (C, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"prompt": "hi", "model": "gpt-4"}, "model"), (C, {"prompt": "hi", "model": None}, "model"),
+    (C, {}, "prompt"), (C, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    (C, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"), (C, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    (C, {"prompt": "hi", "best_of": 2}, "best_of"), (C, {"prompt": "hi", "foo": 1}, "foo"),
+    (CH, {"messages": []}, "messages"), (CH, {}, "messages"),
+    (CH, {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    (CH, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    (CH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CH, {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
+    (CH, {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    (CH, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    (CH, {"messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
+    (CH, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CH, {"messages": CHAT, "max_completion_tokens": 600}, "max_completion_tokens"),
+    (CH, {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+    (CH, {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+]
+
+
+def test_bad_inputs_named_then_good_request(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    for path, body, field in BAD:
+        r = httpx.post(f"{server.url}/v1/{path}", json={"model": NAME, **body}, headers=h)
+        assert r.status_code == 400, (path, body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], (body, err)
+        assert err["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the official client sees it as such
+        client.chat.completions.create(model=NAME, messages=CHAT, response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    assert not server.engine.has_unfinished()
+    r = client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def _blocked_engine(server):
+    """Make the engine thread stall inside its next step until the returned event is set."""
+    eng, entered, release = server.engine, threading.Event(), threading.Event()
+    real = eng.step
+
+    def step():
+        entered.set()
+        release.wait(30)
+        eng.step = real
+        return real()
+
+    eng.step = step
+    return entered, release
+
+
+def test_full_waiting_queue_is_503_with_retry_after(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    server.loop.max_waiting = 2
+    entered, release = _blocked_engine(server)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=h, timeout=60) as c:
+            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while not entered.is_set():  # the engine holds request 1 in its waiting queue
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while server.loop.num_waiting < 2:
+                await asyncio.sleep(0.01)
+            third = await c.post("/v1/completions", json=body)
+            release.set()
+            return await first, await second, third
+
+    try:
+        first, second, third = asyncio.run(run())
+    finally:
+        release.set()
+        server.loop.max_waiting = None
+    assert third.status_code == 503 and int(third.headers["Retry-After"]) >= 1
+    assert third.json()["error"]["code"] == "server_busy"
+    assert first.status_code == 200 and second.status_code == 200
+    assert server.wait_idle(5)
+
+
+def test_failing_step_fails_its_requests_not_the_server(server, client):
+    eng = server.engine
+    real = eng.step
+
+    def broken():
+        eng.step = real
+        raise RuntimeError("injected failure")
+
+    eng.step = broken
+    with pytest.raises(openai.InternalServerError, match="injected failure"):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
+    assert server.wait_idle(5)
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+# -- n > 1, metrics --------------------------------------------------------------------------------
+def test_n_samples_distinct_and_reproducible(server, client):
+    kw = dict(model=NAME, prompt="My favourite animal is", max_tokens=12, temperature=1.0, n=3, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.text for c in a.choices}) == 3
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens < a.usage.completion_tokens
+
+
+def test_metrics_agree_with_clients(server, client):
+    m0 = metrics(server)
+    rs = [client.completions.create(model=NAME, prompt=f"Count to {i}:", max_tokens=5 + i, temperature=0,
+                                    extra_body={"ignore_eos": True}) for i in range(3)]
+    m1 = metrics(server)
+    assert m1["mixserve_generation_tokens_total"] - m0["mixserve_generation_tokens_total"] == \
+        sum(r.usage.completion_tokens for r in rs) == 5 + 6 + 7
+    assert m1["mixserve_prompt_tokens_total"] - m0["mixserve_prompt_tokens_total"] == \
+        sum(r.usage.prompt_tokens for r in rs)
+    assert m1["mixserve_time_to_first_token_seconds_count"] - m0["mixserve_time_to_first_token_seconds_count"] == 3
+    assert m1["mixserve_e2e_request_latency_seconds_count"] - m0["mixserve_e2e_request_latency_seconds_count"] == 3
+    assert m1["mixserve_kv_cache_blocks_total"] == server.engine.num_blocks
+    assert m1["mixserve_kv_cache_blocks_used"] == 0 and m1["mixserve_num_requests_running"] == 0
+
+
+# -- SIGTERM ---------------------------------------------------------------------------------------
+def test_sigterm_finishes_running_stream_and_exits(smollm2_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mixserve.cli", "serve", "--model", smollm2_path,
+                             "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "256",
+                             "--port", str(port), "--served-model-name", NAME],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stdout.read().decode()[-2000:]
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids, finish = [], None
+        for c in stream:
+            ids += c.choices[0].token_ids
+            finish = c.choices[0].finish_reason
+            if len(ids) == 2:
+                proc.send_signal(signal.SIGTERM)
+        assert len(ids) == 48 and finish == "length"  # the running request finished within the grace period
+        assert proc.wait(30) == 0
+        with pytest.raises(httpx.TransportError):  # no longer accepting
+            httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
