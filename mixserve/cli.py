@@ -86,7 +86,54 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_bench_online(a) -> int:
+    """`bench --url`: load the dataset with the model's tokenizer (no weights), then replay it
+    through the server's streaming API."""
+    import asyncio
+    import os
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
+    from mixserve.models.loader import convert_gguf
+    from mixserve.models.registry import resolve_model
+
+    rate = float(a.request_rate)
+    if not rate > 0 or not a.burstiness > 0 or (a.max_concurrency is not None and a.max_concurrency < 1):
+        raise ValueError("request_rate and burstiness must be > 0, max_concurrency >= 1")
+    slo = parse_slo(a.slo)
+    api_key = a.api_key or os.environ.get("MIXSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        served = httpx.get(a.url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise RuntimeError(f"url: cannot list models at {a.url}: {e}") from None
+    r = resolve_model(a.model)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    reqs = load_dataset(a.dataset, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    results, duration = asyncio.run(run_online_async(
+        a.url, served, reqs, rate, a.burstiness, a.max_concurrency, a.temperature, not a.no_ignore_eos, api_key,
+        a.seed))
+    report = online_report(results, duration, slo)
+    report["config"] = {"url": a.url, "model": served, "dataset": a.dataset, "num_prompts": len(reqs),
+                        "request_rate": rate, "burstiness": a.burstiness, "max_concurrency": a.max_concurrency,
+                        "temperature": a.temperature, "ignore_eos": not a.no_ignore_eos, "seed": a.seed}
+    report["machine"] = machine_info()
+    print(format_online(report))
+    out = Path(a.output or f"results/online-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0 if not report["failed"] else 1
+
+
 def cmd_bench(a) -> int:
+    if a.url:
+        return cmd_bench_online(a)
     from mixserve.bench.datasets import load_dataset
     from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
@@ -240,6 +287,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS instead of generating max_tokens")
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
+    p.add_argument("--url", default=None,
+                   help="online: benchmark a running `mixserve serve` at this URL through its streaming API "
+                        "(--model then only names the tokenizer for the dataset)")
+    p.add_argument("--request-rate", default="inf", help="online: requests/s (gamma arrivals) or inf (all at t=0)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="online: gamma shape; 1 = Poisson, < 1 burstier")
+    p.add_argument("--max-concurrency", type=int, default=None, help="online: most requests in flight")
+    p.add_argument("--slo", default=None, help="online: goodput SLO, e.g. ttft=500ms,tpot=50ms[,e2e=10s]")
+    p.add_argument("--api-key", default=None, help="online: bearer key of the server (or MIXSERVE_API_KEY)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)")

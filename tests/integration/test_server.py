@@ -412,3 +412,32 @@ def test_sigterm_finishes_running_stream_and_exits(smollm2_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- online benchmark client -----------------------------------------------------------------------
+def test_online_bench_against_server(server, smollm2_path, tmp_path):
+    from mixserve.bench.online import arrival_offsets, parse_slo
+    from mixserve.cli import main
+
+    assert parse_slo("ttft=500ms,tpot=0.05") == {"ttft": 0.5, "tpot": 0.05}
+    gaps = [b - a for a, b in zip(*[arrival_offsets(2001, 4.0, 0.5, seed=1)[i:] for i in (0, 1)])]
+    assert abs(sum(gaps) / len(gaps) - 0.25) < 0.03  # mean gap 1/rate, whatever the burstiness
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt": f"Item {i}: a short note about", "max_tokens": 6 + i}) + "\n"
+                             for i in range(4)))
+    m0 = metrics(server)
+    out = tmp_path / "online.json"
+    assert main(["bench", "--url", server.url, "--api-key", KEY, "--model", smollm2_path, "--dataset", str(trace),
+                 "--num-prompts", "4", "--request-rate", "20", "--max-concurrency", "2",
+                 "--slo", "ttft=60s,tpot=10s", "--output", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["num_requests"] == 4 and rep["failed"] == 0
+    assert rep["output_tokens"] == 6 + 7 + 8 + 9  # ignore_eos: exactly max_tokens each
+    assert rep["output_tokens"] == metrics(server)["mixserve_generation_tokens_total"] - \
+        m0["mixserve_generation_tokens_total"]
+    assert rep["good_requests"] == 4 and rep["ttft_s"]["count"] == 4 and rep["itl_s"]["count"] > 0
+    assert rep["ttft_s"]["p50"] <= rep["e2e_s"]["p50"]
+    strict = tmp_path / "strict.json"
+    main(["bench", "--url", server.url, "--api-key", KEY, "--model", smollm2_path, "--dataset", str(trace),
+          "--num-prompts", "2", "--request-rate", "inf", "--slo", "ttft=0.1ms", "--output", str(strict)])
+    assert json.loads(strict.read_text())["good_requests"] == 0
