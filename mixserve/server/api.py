@@ -85,6 +85,7 @@ class _Job:
     logprobs: int | None
     params: list = field(default_factory=list)  # SamplingParams per choice
     timer: asyncio.TimerHandle | None = None
+    end_reason: str = "client_closed"  # why unfinished choices get aborted when the response ends
 
     def by_id(self) -> dict[str, _Choice]:
         return {c.request_id: c for c in self.choices}
@@ -184,13 +185,19 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         job = prepare(kind, req)
         submit(job, arrival)
         if req.stream:
-            return _EngineStream(stream_events(job), on_close=lambda: abort(job, "client_closed"))
+            return _EngineStream(stream_events(job), on_close=lambda: abort(job, job.end_reason))
         try:
             return await collect(job, request)
         finally:
-            abort(job, "client_closed")
+            abort(job, job.end_reason)
 
     def prepare(kind: str, req) -> _Job:
+        """Check everything and build the job: one engine request per prompt and sample.
+
+        n > 1 runs n independent engine requests (seeds seed, seed+1, ... when a seed is given),
+        each prefilling the prompt itself: the block manager can fork and copy-on-write, but the
+        scheduler does not yet share a prompt's blocks between samples.
+        """
         if req.model != cfg.served_model_name:
             raise bad_request("model", f"model: {req.model!r} is not served here; use {cfg.served_model_name!r}",
                               "model_not_found")
@@ -301,6 +308,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             raise APIError(504, f"request timed out after {cfg.request_timeout} s and was aborted",
                            type="timeout_error", code="request_timeout")
         if isinstance(item, EngineFailure):
+            by_id[item.request_id].finish_reason = "error"
+            job.end_reason = "error"
             status = 503 if "shutting down" in str(item) else 500
             raise APIError(status, str(item), type="server_error")
         return by_id[item.request_id], item
@@ -308,11 +317,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     def absorb(job: _Job, c: _Choice, out: RequestOutput) -> tuple[list[int], list]:
         """Record an output; returns the token ids and logprobs it added."""
         new_ids = out.token_ids[len(c.token_ids):]
-        c.token_ids = list(out.token_ids)
+        c.token_ids = out.token_ids  # a fresh list per output: no copy needed
         new_lps = []
         if out.logprobs is not None:
             new_lps = out.logprobs[len(c.logprobs):]
-            c.logprobs = list(out.logprobs)
+            c.logprobs = out.logprobs
         c.text.append(out.new_text)
         if out.finished:
             c.finish_reason = out.finish_reason
