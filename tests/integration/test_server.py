@@ -213,6 +213,28 @@ def test_cancel_half_of_streams(server, offline):
     print(f"tie rule used for {ties}/{len(survivors)} survivors")
 
 
+def test_abort_lands_within_one_step(server, client):
+    stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = iter(stream)
+    first = next(c for c in chunks if c.choices and c.choices[0].token_ids)
+    rid = f"{first.id}-0"
+    entered, release = _blocked_engine(server)
+    try:
+        assert entered.wait(10)  # the engine thread is now inside a step
+        generated = server.engine.num_generated_tokens
+        stream.close()
+        t0 = time.monotonic()
+        while rid in server.loop._streams:  # until the server has seen the disconnect and sent the abort
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+    finally:
+        release.set()
+    assert server.wait_idle(5)
+    # only the step already running when the client left produced a token for it
+    assert server.engine.num_generated_tokens - generated <= 1
+
+
 def test_disconnect_and_timeout_abort_non_streaming(server):
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
@@ -376,14 +398,14 @@ def test_metrics_agree_with_clients(server, client):
 
 
 # -- SIGTERM ---------------------------------------------------------------------------------------
-def test_sigterm_finishes_running_stream_and_exits(smollm2_path):
+def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mixserve.cli", "serve", "--model", smollm2_path,
                              "--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", "256",
-                             "--port", str(port), "--served-model-name", NAME],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                             "--port", str(port), "--served-model-name", NAME, "--shutdown-grace", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
@@ -396,16 +418,34 @@ def test_sigterm_finishes_running_stream_and_exits(smollm2_path):
             assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stdout.read().decode()[-2000:]
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        stream = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=48, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
-        ids, finish = [], None
-        for c in stream:
-            ids += c.choices[0].token_ids
-            finish = c.choices[0].finish_reason
-            if len(ids) == 2:
-                proc.send_signal(signal.SIGTERM)
-        assert len(ids) == 48 and finish == "length"  # the running request finished within the grace period
+
+        def stream(max_tokens, sink, started):
+            try:
+                for c in client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=max_tokens,
+                                                   temperature=0, stream=True,
+                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
+                    sink["ids"] += c.choices[0].token_ids
+                    sink["finish"] = c.choices[0].finish_reason
+                    started.set()
+            except Exception as e:  # the long stream is cut when the grace period ends
+                sink["error"] = e
+
+        short, long = {"ids": []}, {"ids": []}
+        s_started, l_started = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=stream, args=(230, long, l_started)),
+                   threading.Thread(target=stream, args=(12, short, s_started))]
+        threads[0].start()
+        assert l_started.wait(60)
+        threads[1].start()
+        assert s_started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert short["finish"] == "length" and len(short["ids"]) == 12  # finished within the grace period
+        assert long.get("finish") != "length" and len(long["ids"]) < 230  # aborted when it ran out
         assert proc.wait(30) == 0
+        log = proc.stdout.read().decode()
+        assert "timeout graceful shutdown exceeded" in log, log[-2000:]
         with pytest.raises(httpx.TransportError):  # no longer accepting
             httpx.get(url + "/health")
     finally:
