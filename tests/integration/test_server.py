@@ -6,7 +6,6 @@ where the reference's top-two logits are within 0.01.
 """
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
