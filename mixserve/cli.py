@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rtn: round linears to int4 at load; awq: require an AWQ checkpoint (from `quantize`). "
                         "AWQ checkpoints are detected without this flag")
     p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="group size for rtn")
+    p.add_argument("--quant-lm-head", action="store_true",
+                   help="also round the LM head to int4 at load (int4 models; it stays in the compute dtype "
+                        "by default)")
 
 
 def engine_args(a: argparse.Namespace, **over):

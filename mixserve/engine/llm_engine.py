@@ -71,6 +71,8 @@ class EngineArgs:
     num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
     quantization: None (as stored: dense, or int4 for an AWQ checkpoint), "rtn" (round-to-nearest
         int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
+    quant_lm_head: also round the LM head to int4 at load (rtn, group quant_group_size) in an int4
+        model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -87,6 +89,7 @@ class EngineArgs:
     speculation: str = "auto"
     quantization: str | None = None
     quant_group_size: int = 128
+    quant_lm_head: bool = False
 
 
     def validate(self) -> None:
@@ -105,6 +108,8 @@ class EngineArgs:
             raise ValueError(f"quantization: must be rtn or awq (got {self.quantization!r})")
         if not isinstance(self.quant_group_size, int) or self.quant_group_size < 32 or self.quant_group_size % 32:
             raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
+        if self.quant_lm_head and self.quantization is None and not _is_awq_folder(self.model):
+            raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
         parse_bytes(self.kv_cache_memory)
 
 
@@ -132,13 +137,19 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
+def _is_awq_folder(spec: str) -> bool:
+    cfg = Path(spec) / "config.json"
+    return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
+
+
 def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
-               quantization: str | None = None, group_size: int = 128):
+               quantization: str | None = None, group_size: int = 128, lm_head: bool = False):
     """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
 
     GGUF files are dequantized once to an HF folder beside them (models/loader.py). A folder whose
     config.json has an AWQ `quantization_config` loads int4 (quant/loading.py); quantization="rtn"
-    rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint.
+    rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint. lm_head:
+    round a dense-stored LM head to int4 at load too.
     Raises FileNotFoundError / ValueError from model resolution, or ValueError when the
     quantization asked for does not match the checkpoint, with a clear message.
     """
@@ -170,6 +181,9 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
         folder = cached
         cfg = ModelConfig.from_folder(folder)
         quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+    if lm_head and quant is not None:
+        quant.lm_head = True
+        quant.lm_head_group_size = group_size
     weights = load_hf_weights(folder)
     model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
     del weights
@@ -217,7 +231,8 @@ class LLMEngine:
         self.dtype = parse_dtype(args.dtype)
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
-            args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size)
+            args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,
+            args.quant_lm_head)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers.int4_dequant import dequantize_int4pack
+from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -55,6 +55,9 @@ class DenseLinear(nn.Module):
 # on CPU: measured by `benchmarks/kernels.py --int4` (see BENCHMARKS.md); MIXSERVE_INT4_DENSE_ROWS
 # overrides it for another machine.
 INT4_DENSE_ROWS = int(os.environ.get("MIXSERVE_INT4_DENSE_ROWS", "16"))
+# largest weight (elements) dequantized into the reused scratch buffer: a 1.5B's fused gate/up
+# (27.5M) fits; larger ones get a fresh tensor per call
+SCRATCH_MAX_ELEMENTS = 32 << 20
 
 
 def _unpack_int4pack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -130,10 +133,14 @@ class Int4Linear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_rows,
                                                            self.zero_rows))
 
-    def dense_weight(self) -> torch.Tensor:
-        """The dequantized weight [out, in] in the compute dtype."""
+    def dense_weight(self, reuse: bool = False) -> torch.Tensor:
+        """The dequantized weight [out, in] in the compute dtype. reuse=True writes it into the
+        thread's scratch buffer (int4_dequant.scratch), valid only until the next such call."""
+        n = self.out_features * self.in_features
+        # an LM head (a quarter billion weights) would pin its size in scratch for good
+        out = scratch(n, self.dtype) if reuse and n <= SCRATCH_MAX_ELEMENTS else None
         w = dequantize_int4pack(self.packed, self.scale_rows, self.zero_rows, self.out_features, self.in_features,
-                                self.group_size)
+                                self.group_size, out)
         if w is not None:
             return w
         q = _unpack_int4pack_cpu(self.packed, self.out_features, self.in_features)
@@ -152,4 +159,4 @@ class Int4Linear(nn.Module):
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.dense_weight(), self.bias)
+        return F.linear(x, self.dense_weight(reuse=True), self.bias)

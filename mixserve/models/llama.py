@@ -82,11 +82,12 @@ class LlamaForCausalLM(nn.Module):
         self.quant = quant
         # the LM head stays in the compute dtype unless asked (rtn) or stored int4 (awq)
         head_q = quant is not None and (quant.lm_head or "lm_head.qweight" in weights)
+        rtn = quant.lm_head_group_size if quant is not None and quant.lm_head else None
         if "lm_head.qweight" in weights or (not cfg.tie_word_embeddings and "lm_head.weight" in weights):
-            self.lm_head = make_linear(weights, ["lm_head"], dtype, quant, allow_quant=head_q)
+            self.lm_head = make_linear(weights, ["lm_head"], dtype, quant, allow_quant=head_q, rtn_group=rtn)
         elif head_q:
             self.lm_head = make_linear({"lm_head.weight": weights["model.embed_tokens.weight"]}, ["lm_head"], dtype,
-                                       quant)
+                                       quant, rtn_group=rtn)
         else:
             self.lm_head = DenseLinear(self.embed_tokens.weight)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)

@@ -17,13 +17,15 @@ class QuantSpec:
 
     method: "awq" (integers from an AutoAWQ GEMM checkpoint: `<name>.qweight/.qzeros/.scales`)
         or "rtn" (round-to-nearest at load from dense `<name>.weight`).
-    group_size: input channels per scale/zero pair. lm_head: also quantize the LM head (rtn).
+    group_size: input channels per scale/zero pair. lm_head: also quantize the LM head (rtn at
+    load, group lm_head_group_size, when the checkpoint stores it dense).
     dense: filled at load with "name: reason" for every linear left in the compute dtype.
     """
 
     method: str
     group_size: int = 128
     lm_head: bool = False
+    lm_head_group_size: int = 128
     dense: list[str] = field(default_factory=list)
 
     @classmethod
@@ -64,13 +66,15 @@ def _awq_parts(w: dict, name: str, group_size: int):
 
 
 def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype, quant: QuantSpec | None,
-                allow_quant: bool = True) -> nn.Module:
+                allow_quant: bool = True, rtn_group: int | None = None) -> nn.Module:
     """One linear over the row-wise concatenation of `names` (e.g. q/k/v projections).
 
     w: HF-named tensors; each name has `.weight` [out, in] or, in AWQ checkpoints, `.qweight`,
     `.qzeros`, `.scales` (pack.py), and an optional `.bias`. Returns Int4Linear when every part is
     int4 and the shape suits the int4 kernel, else DenseLinear (noting why in quant.dense).
-    Raises KeyError when a weight is missing.
+    rtn_group: round dense-stored weights to int4 at this group size whatever quant.method is
+    (the LM head of an AWQ model on request).
+    Raises ValueError when a weight is missing.
     """
     bias = None
     if all(n + ".bias" in w for n in names):
@@ -99,11 +103,12 @@ def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype
         else:
             dense.append(w[n + ".weight"].to(dtype))
     weight = torch.cat(dense) if len(dense) > 1 else dense[0]
-    if quant is not None and quant.method == "rtn" and allow_quant:
-        why = int4_supported(weight.shape[0], weight.shape[1], quant.group_size)
+    if quant is not None and allow_quant and (quant.method == "rtn" or rtn_group):
+        g = rtn_group or quant.group_size
+        why = int4_supported(weight.shape[0], weight.shape[1], g)
         if why is None:
-            q, s, z = quantize_groupwise(weight.float(), quant.group_size)
-            return Int4Linear(q, s, z, quant.group_size, bias, dtype)
+            q, s, z = quantize_groupwise(weight.float(), g)
+            return Int4Linear(q, s, z, g, bias, dtype)
         quant.dense.append(f"{names[0].rsplit('.', 2)[0]}.{label}: {why}")
     elif quant is not None and quant.method == "awq" and allow_quant and not all(is_awq):
         quant.dense.append(f"{names[0].rsplit('.', 2)[0]}.{label}: stored dense in the checkpoint")

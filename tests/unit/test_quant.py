@@ -313,3 +313,28 @@ def test_quantize_never_overwrites_a_users_folder(tmp_path):
     msgs = []
     assert quantize(str(dense), qc, out=tmp_path / "q", log=msgs.append) == out
     assert "already quantized" in msgs[0]
+
+
+def test_lm_head_rounded_to_int4_at_load_on_request(tmp_path):
+    from mixserve.engine.llm_engine import EngineArgs, load_model
+    from mixserve.layers.linear import DenseLinear
+    from dataclasses import replace
+
+    from mixserve.quant.groupwise import fake_quantize
+
+    cfg = replace(tiny_cfg(), vocab_size=320)  # the int4 kernel takes multiples of 16 rows
+    w = tiny_weights(cfg)
+    qc = AWQConfig(group_size=32)
+    new, report = quantize_weights(cfg, w, torch.randint(0, cfg.vocab_size, (2, 32)), qc, progress=False)
+    folder = save_checkpoint(tmp_path / "ck", cfg, build_state_dict(cfg, new, qc, report), qc, report, tmp_path, {})
+    _, plain, _, _ = load_model(str(folder), torch.float32, 256, progress=False)
+    _, headq, _, _ = load_model(str(folder), torch.float32, 256, progress=False, group_size=32, lm_head=True)
+    assert isinstance(plain.lm_head, DenseLinear) and isinstance(headq.lm_head, Int4Linear)
+    # the int4 head computes with the round-to-nearest grid of the (tied) embedding
+    x = torch.randn(3, cfg.hidden_size)
+    emb = plain.embed_tokens.weight.float()
+    want = x @ fake_quantize(emb, 32).t()
+    assert torch.allclose(headq.lm_head(x).float(), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain.lm_head(x).float(), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="quant_lm_head"):
+        EngineArgs(model=str(tmp_path / "dense-nothing"), quant_lm_head=True).validate()
