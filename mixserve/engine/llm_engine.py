@@ -18,7 +18,7 @@ from mixserve.kv.block_manager import BlockManager
 from mixserve.models.config import ModelConfig
 from mixserve.quant.loading import QuantSpec
 from mixserve.sampling_params import SamplingParams
-from mixserve.sequence import Sequence
+from mixserve.sequence import Sequence, SequenceStatus
 from mixserve.spec.controller import SpecController
 from mixserve.spec.proposer import DraftModelProposer, NgramProposer
 from mixserve.spec.rejection import accept_greedy, accept_sampled
@@ -276,6 +276,8 @@ class LLMEngine:
         # every generated token (aborted requests' included)
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+        # parallel sampling: requests waiting for a leader's prefill, by the leader's seq_id
+        self._followers: dict[int, list[Sequence]] = {}
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -319,11 +321,18 @@ class LLMEngine:
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    share_prompt_with: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (nothing is queued) if it cannot be served.
 
         arrival_time: time.perf_counter() seconds when the request arrived (TTFT and E2E count
-        from it); default now. A server passes the time the HTTP request came in."""
+        from it); default now. A server passes the time the HTTP request came in.
+        share_prompt_with: the id of a queued request with the same prompt (parallel sampling,
+        n > 1): this one waits until that one's prefill is done, then shares its prompt's KV
+        blocks (reference counts; the last, partial block is copied on write) and recomputes only
+        the last prompt token to sample its own first token. Ignored (a full prefill) when that
+        request is unknown, already past its prefill, has another prompt, or a draft model is on
+        (the draft's cache is not shared)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -349,7 +358,12 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        lead = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
+        if (lead is not None and lead is not seq and self.proposer is None and lead.prompt_token_ids == ids
+                and lead.num_computed_tokens < len(ids) and not lead.is_finished):
+            self._followers.setdefault(lead.seq_id, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
         return request_id
 
@@ -360,8 +374,32 @@ class LLMEngine:
             return False
         seq.finish_reason = "abort"
         seq.finish_time = time.perf_counter()
+        for lead_id, fs in list(self._followers.items()):
+            if seq in fs:  # a follower not yet released: it holds no blocks
+                fs.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                return True
         self.scheduler.finish(seq)
+        for f in self._followers.pop(seq.seq_id, []):  # its followers prefill for themselves
+            self.scheduler.add(f)
         return True
+
+    def _release_followers(self, seqs: list[Sequence]) -> None:
+        """Fork the prompt blocks of every leader in `seqs` whose prefill has just completed to its
+        followers, which then recompute only the last prompt token (admitted ahead of the queue)."""
+        for lead in seqs:
+            fs = self._followers.pop(lead.seq_id, None)
+            if not fs:
+                continue
+            if lead.num_computed_tokens < lead.num_prompt_tokens:
+                self._followers[lead.seq_id] = fs
+                continue
+            n = lead.num_prompt_tokens
+            for f in reversed(fs):
+                self.block_manager.fork(lead.seq_id, f.seq_id)
+                self.block_manager.truncate(f.seq_id, n)
+                f.num_computed_tokens = n - 1
+                self.scheduler.waiting.appendleft(f)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -399,6 +437,8 @@ class LLMEngine:
         # only now: if sampling raised, the step can be rerun with nothing half-applied
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
+        if self._followers:  # before any leader can finish and free its blocks
+            self._release_followers([s.seq for s in sched.scheduled])
         if rows:
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):

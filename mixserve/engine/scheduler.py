@@ -111,10 +111,12 @@ class Scheduler:
         while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.bm.can_append(seq.seq_id, 0, n):
+            # from 0, except a parallel sample that shares its leader's prompt blocks
+            start = seq.num_computed_tokens
+            if not self.bm.can_append(seq.seq_id, start, start + n):
                 break
             self.waiting.popleft()
-            out.copies += self.bm.append_slots(seq.seq_id, 0, n)
+            out.copies += self.bm.append_slots(seq.seq_id, start, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))

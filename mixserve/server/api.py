@@ -194,9 +194,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     def prepare(kind: str, req) -> _Job:
         """Check everything and build the job: one engine request per prompt and sample.
 
-        n > 1 runs n independent engine requests (seeds seed, seed+1, ... when a seed is given),
-        each prefilling the prompt itself: the block manager can fork and copy-on-write, but the
-        scheduler does not yet share a prompt's blocks between samples.
+        n > 1 runs n engine requests (seeds seed, seed+1, ... when a seed is given); samples after
+        the first share its prompt's KV blocks (copy-on-write on the last partial block) instead of
+        prefilling again, unless a draft model is on.
         """
         if req.model != cfg.served_model_name:
             raise bad_request("model", f"model: {req.model!r} is not served here; use {cfg.served_model_name!r}",
@@ -274,8 +274,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     def submit(job: _Job, arrival: float) -> None:
         added = []
         try:
+            first: dict[int, str] = {}  # prompt index -> its first sample's request id
             for c, sp in zip(job.choices, job.params):
-                loop.add(c.request_id, c.prompt_ids, sp, arrival, job.queue)
+                loop.add(c.request_id, c.prompt_ids, sp, arrival, job.queue,
+                         share_prompt_with=first.get(c.prompt_index))
+                first.setdefault(c.prompt_index, c.request_id)
                 added.append(c)
         except ServerOverloaded as e:
             for c in added:

@@ -99,12 +99,15 @@ class EngineLoop:
 
     # -- requests (event loop side) --------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            arrival_time: float | None = None, out: asyncio.Queue | None = None) -> asyncio.Queue:
+            arrival_time: float | None = None, out: asyncio.Queue | None = None,
+            share_prompt_with: str | None = None) -> asyncio.Queue:
         """Queue a request whose prompt and params passed `engine.check_request`.
 
         arrival_time: time.perf_counter() seconds of its arrival (default now). out: the queue
         that receives its RequestOutputs (the last one `finished`), or an EngineFailure if the
-        engine fails it; several requests may share one (n > 1). Returns that queue.
+        engine fails it; several requests may share one (n > 1). share_prompt_with: an earlier
+        request of the same prompt whose prompt KV blocks this one shares (engine.add_request).
+        Returns that queue.
         Raises ServerOverloaded when `max_waiting` requests already wait, RuntimeError when the
         loop is not running.
         """
@@ -115,7 +118,8 @@ class EngineLoop:
         stream = _Stream(out if out is not None else asyncio.Queue())
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._commands.put(("add", request_id, prompt_ids, params, arrival_time or time.perf_counter()))
+        self._commands.put(("add", request_id, prompt_ids, params, arrival_time or time.perf_counter(),
+                            share_prompt_with))
         return stream.queue
 
     def abort(self, request_id: str) -> None:
@@ -137,9 +141,9 @@ class EngineLoop:
                     self._shutdown()
                     return
                 if cmd[0] == "add":
-                    _, rid, ids, params, arrival = cmd
+                    _, rid, ids, params, arrival, lead = cmd
                     try:
-                        eng.add_request(ids, params, request_id=rid, arrival_time=arrival)
+                        eng.add_request(ids, params, request_id=rid, arrival_time=arrival, share_prompt_with=lead)
                     except Exception as e:  # checked before sending, so only a race or a bug lands here
                         failures.append((rid, str(e)))
                     self._adds_applied += 1

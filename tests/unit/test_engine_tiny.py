@@ -201,3 +201,74 @@ def test_offline_bench_reports_per_tag(tiny):
     assert report["per_tag"]["a"]["num_requests"] == 2 and report["per_tag"]["a"]["output_tokens"] == 8
     assert report["per_tag"]["b"]["output_tokens"] == 7
     assert report["extra"]["preemptions"] == 0 and report["extra"]["peak_kv_blocks"] > 0
+
+
+def _drain(eng):
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+@pytest.mark.parametrize("prompt_len", [37, 40])  # last block partial (copied on write) / full
+def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
+    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    folder, _ = tiny
+    eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", block_size=4,
+                               max_num_batched_tokens=512, progress=False))
+    p = prompts(1, seed=5, lo=prompt_len, hi=prompt_len)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng.add_request(p, greedy, request_id="alone")
+    alone = _drain(eng)["alone"].token_ids
+    prefilled = []
+    orig_run = eng.runner.run
+
+    def counting_run(items, copies=()):
+        prefilled.append(sum(it.end - it.start for it in items))
+        return orig_run(items, copies)
+
+    eng.runner.run = counting_run
+    eng.add_request(p, greedy, request_id="a")
+    for r in ("b", "c"):
+        eng.add_request(p, greedy, request_id=r, share_prompt_with="a")
+    eng.step()  # the leader's prefill; the followers now share its blocks
+    bm = eng.block_manager
+    full = prompt_len // 4
+    lead = eng.requests["a"].seq_id
+    assert all(bm.ref_counts[b] == 3 for b in bm.block_table(lead)[:full])
+    out = _drain(eng)
+    assert prefilled[0] == prompt_len and prefilled[1] == 1 + 2  # leader's decode + 1 recomputed token each
+    assert sum(prefilled) == prompt_len + 2 + 3 * 11
+    for r in "abc":
+        assert out[r].token_ids == alone
+    assert bm.num_free_blocks == bm.num_blocks
+    # sampled: distinct samples, reproducible with the seeds
+    def sampled():
+        eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True), request_id="s0")
+        for k in (1, 2):
+            eng.add_request(p, SamplingParams(temperature=1.0, max_tokens=12, seed=7 + k, ignore_eos=True),
+                            request_id=f"s{k}", share_prompt_with="s0")
+        o = _drain(eng)
+        return [o[f"s{k}"].token_ids for k in range(3)]
+    first = sampled()
+    assert len({tuple(x) for x in first}) == 3 and sampled() == first
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_aborting_the_leader_lets_its_followers_prefill(tiny):
+    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+
+    folder, _ = tiny
+    eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", block_size=4, progress=False))
+    p = prompts(1, seed=6, lo=30, hi=30)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng.add_request(p, greedy, request_id="x")
+    eng.add_request(p, greedy, request_id="y", share_prompt_with="x")
+    eng.add_request(p, greedy, request_id="z", share_prompt_with="x")
+    assert eng.abort("z") and eng.abort("x")  # a pending follower, then the leader before its prefill
+    out = _drain(eng)
+    assert set(out) == {"y"} and len(out["y"].token_ids) == 5
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
