@@ -1,5 +1,5 @@
 """Int4 speed, single stream, side by side in one run: HF transformers bf16, mixserve bf16 and
-mixserve AWQ int4 (and RTN int4 at load) on the same model; decode tokens/s (prefill excluded) and
+mixserve AWQ int4 (with the LM head bf16, and rounded to int4 at load) and RTN int4 at load, on the same model; decode tokens/s (prefill excluded) and
 prefill time of a 512-token prompt, with weight bytes resident. Rounds are interleaved across
 configurations and the median round is reported, since the host is shared.
 
@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--awq", required=True, help="AWQ checkpoint folder of the same model")
     ap.add_argument("--no-rtn", action="store_true")
+    ap.add_argument("--no-lm-head-int4", action="store_true",
+                    help="skip the AWQ configuration whose LM head is also rounded to int4 at load")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=512)
@@ -86,6 +88,9 @@ def main():
     common = dict(dtype="bfloat16", kv_cache_memory="512MiB", max_num_seqs=4, progress=False)
     engines = {"ours-bf16": LLMEngine(EngineArgs(model=a.model, **common)),
                "ours-awq": LLMEngine(EngineArgs(model=a.awq, quantization="awq", **common))}
+    if not a.no_lm_head_int4:
+        engines["ours-awq-head4"] = LLMEngine(EngineArgs(model=a.awq, quantization="awq", quant_lm_head=True,
+                                                         **common))
     if not a.no_rtn:
         engines["ours-rtn"] = LLMEngine(EngineArgs(model=a.model, quantization="rtn", **common))
     tok = engines["ours-bf16"].tokenizer
@@ -119,10 +124,10 @@ def main():
     for name, r in R.items():
         r["decode_vs_ours_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
         r["prefill_speed_vs_ours_bf16"] = base["prefill_s"] / r["prefill_s"]
-    print(f"{'config':<10}{'decode tok/s':>14}{'x bf16':>8}{'prefill s':>11}{'x bf16':>8}{'weights GiB':>13}")
+    print(f"{'config':<15}{'decode tok/s':>14}{'x bf16':>8}{'prefill s':>11}{'x bf16':>8}{'weights GiB':>13}")
     for name, r in R.items():
         wb = r.get("weight_bytes")
-        print(f"{name:<10}{r['decode_tok_s']:>14.2f}{r['decode_vs_ours_bf16']:>8.2f}{r['prefill_s']:>11.2f}"
+        print(f"{name:<15}{r['decode_tok_s']:>14.2f}{r['decode_vs_ours_bf16']:>8.2f}{r['prefill_s']:>11.2f}"
               f"{r['prefill_speed_vs_ours_bf16']:>8.2f}{(wb / 2**30 if wb else float('nan')):>13.2f}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -10,9 +10,11 @@ after attention when v's output can absorb a scale) AWQ:
    minimising ||Q(W diag(s)) (diag(s)^-1 X) - W X||² over the group's outputs (§3.3, Eq. 5);
 3. folds 1/s into the operation before (RMSNorm weight, v_proj rows, up_proj rows) and s into W,
    which leaves the unquantized model's function unchanged;
-4. searches a clipping ratio per output row and group (max |w| shrunk by up to 50% in 20 steps)
-   minimising the same output error, for every linear but q and k (AutoAWQ's practice: their
-   errors are amplified by the attention softmax, and clipping them was found to hurt).
+4. optionally (AWQConfig.clip; off by default) searches a clipping ratio per output row and
+   group (max |w| shrunk by up to 50% in 20 steps) minimising the same output error, for o,
+   gate/up and down (never q and k, as in AutoAWQ). On the dequantized GGUF releases mixserve
+   ships, the clipping search lowers this output error yet raises held-out perplexity on every
+   slice, doubling RTN's increase (benchmarks/awq_ablation.py, BENCHMARKS.md), so it is off.
 
 Then every linear is quantized group-wise (groupwise.py). The next block's input is the float
 block's output, as in the reference implementation (AutoAWQ `AwqQuantizer`).
@@ -43,6 +45,13 @@ class AWQConfig:
     """method: "awq" or "rtn". group_size: input channels per group. n_grid: α grid points and
     clipping steps. max_shrink: largest clipping (0.5 = clip at half the max). search_tokens /
     clip_tokens: calibration tokens (strided from token 0) used by the scale and clip searches.
+    skip_first: leading positions of every calibration sample left out of the objectives (their
+    activation means and output errors); the first position is the attention sink, whose massive
+    activations (Sun et al. 2024) are orders of magnitude above other tokens' and would otherwise
+    decide every search alone. duo: candidates s = s_x^α / s_w^(1-α), with s_w the mean relative
+    weight magnitude per input channel (AutoAWQ's `duo_scaling`), besides s = 1.
+    clip: the groups whose clipping is searched, comma- or plus-separated ("o", "gate_up", "down";
+    q and k never); empty (the default) searches none, see the module docstring.
     seed: the shuffle of calibration documents."""
 
     method: str = "awq"
@@ -52,6 +61,9 @@ class AWQConfig:
     max_shrink: float = 0.5
     search_tokens: int = 2048
     clip_tokens: int = 512
+    skip_first: int = 0
+    duo: bool = False
+    clip: str = ""
     seed: int = 0
 
 
@@ -111,10 +123,18 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
     Returns (s, α). α = 0 (s = 1) is among the candidates, so AWQ never does worse than RTN on
     this objective.
     """
-    best = (math.inf, torch.ones_like(x_mean), 0.0)
-    for i in range(qc.n_grid):
+    ones = torch.ones_like(x_mean)
+    best = (_out_error(x, fake_quantize(w, qc.group_size, qc.bits), w), ones, 0.0)
+    w_mean = None
+    if qc.duo:
+        wa = w.abs().view(-1, qc.group_size)
+        w_mean = (wa / (wa.amax(1, keepdim=True) + 1e-6)).view_as(w).mean(0)
+    for i in range(1 if not qc.duo else 0, qc.n_grid):
         alpha = i / qc.n_grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = x_mean.pow(alpha)
+        if w_mean is not None:
+            s = s / (w_mean.pow(1 - alpha) + 1e-4)
+        s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         w_q = fake_quantize(w * s, qc.group_size, qc.bits) / s
         err = _out_error(x, w_q, w)
@@ -188,8 +208,11 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
     # strided samples starting at token 0, so every calibration window's first tokens are scored:
     # that is where this family's massive activations live (AutoAWQ samples the same way); a
     # random sample misses them and lets clipping destroy weights only those tokens exercise
-    search_idx = torch.arange(0, n_tok, max(1, n_tok // qc.search_tokens))[: qc.search_tokens]
-    clip_idx = torch.arange(0, n_tok, max(1, n_tok // qc.clip_tokens))[: qc.clip_tokens]
+    valid = torch.nonzero(torch.arange(n_tok) % T >= qc.skip_first).squeeze(1)
+    if valid.numel() == 0:
+        raise ValueError(f"skip_first {qc.skip_first} leaves no calibration tokens (samples of {T})")
+    search_idx = valid[torch.arange(0, len(valid), max(1, len(valid) // qc.search_tokens))[: qc.search_tokens]]
+    clip_idx = valid[torch.arange(0, len(valid), max(1, len(valid) // qc.clip_tokens))[: qc.clip_tokens]]
     skipped = {s.split(":")[0] for s in report.skipped}
     bar = tqdm(range(cfg.num_layers), desc="awq", unit="block", disable=not progress)
     for i in bar:
@@ -210,7 +233,7 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
             if key == "o" and w["self_attn.v_proj.weight"].shape[0] != w["self_attn.o_proj.weight"].shape[1]:
                 continue  # grouped-query attention: v's rows do not map one-to-one onto o's inputs
             feat = feats[key]
-            x_mean = feat.abs().mean(0)
+            x_mean = feat[valid].abs().mean(0)
             stacked = torch.cat([w[n + ".weight"] for n in names])
             s, alpha = search_scale(feat[search_idx], x_mean, stacked, qc)
             chosen[key] = alpha
@@ -225,6 +248,8 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
             feats[key] = feat / s
         for key, names in (("o", ["self_attn.o_proj"]), ("gate_up", ["mlp.gate_proj", "mlp.up_proj"]),
                            ("down", ["mlp.down_proj"])):
+            if key not in qc.clip.replace("+", ",").split(","):
+                continue
             for n in names:
                 if p + n in skipped:
                     continue
