@@ -110,10 +110,25 @@ def cmd_bench_online(a) -> int:
     api_key = a.api_key or os.environ.get("MIXSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        served = httpx.get(a.url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        resp = httpx.get(a.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"url: cannot reach {a.url}: {e}") from None
+    if resp.status_code == 401:
+        raise RuntimeError(f"url: {a.url} refused the API key (HTTP 401); pass --api-key or set MIXSERVE_API_KEY")
+    try:
+        resp.raise_for_status()
+        served = resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise RuntimeError(f"url: cannot list models at {a.url}: {e}") from None
-    r = resolve_model(a.model)
+        raise RuntimeError(f"url: cannot list models at {a.url}: {type(e).__name__}: {e}") from None
+    # the dataset is cut to length with the served model's tokenizer when its name resolves here
+    spec = a.model
+    if served != a.model:
+        try:
+            resolve_model(served)
+            spec = served
+        except (FileNotFoundError, ValueError):
+            print(f"note: the server serves {served!r}; counting tokens with --model {a.model!r}")
+    r = resolve_model(spec)
     folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
     tok = AutoTokenizer.from_pretrained(str(folder))
     reqs = load_dataset(a.dataset, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
