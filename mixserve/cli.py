@@ -191,8 +191,8 @@ def cmd_bench(a) -> int:
 def cmd_serve(a) -> int:
     import os
 
-    if a.max_waiting is not None and a.max_waiting < 0:
-        raise ValueError(f"max_waiting: must be >= 0 (got {a.max_waiting})")
+    if a.max_waiting is not None and a.max_waiting < 1:
+        raise ValueError(f"max_waiting: must be >= 1 (got {a.max_waiting})")
     if a.request_timeout is not None and not a.request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds (got {a.request_timeout})")
     if a.max_n < 1 or a.shutdown_grace < 0:

@@ -181,6 +181,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_request(None, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad_request(None, "the request body is nested too deeply") from None
         req = parse_request(kind, body)
         job = prepare(kind, req)
         submit(job, arrival)
@@ -225,7 +227,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         for p, (_, ids) in enumerate(prompts):
             max_tokens = req.max_tokens if kind == "completions" else (req.max_tokens or req.max_completion_tokens)
             if max_tokens is None:  # chat default: whatever context is left
-                max_tokens = max(1, min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids))
+                cap = min(engine.max_model_len, engine.kv_capacity_tokens)
+                if len(ids) >= cap:  # the client sent no max_tokens: the prompt is what does not fit
+                    raise bad_request("messages", f"messages: the prompt is {len(ids)} tokens; at most {cap - 1} fit "
+                                                  "with room for one generated token")
+                max_tokens = cap - len(ids)
             for j in range(req.n):
                 k = len(choices)
                 seed = None if req.seed is None else (req.seed + k) % 2**63
@@ -236,6 +242,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                     raise bad_request(*field_error(req, e)) from None
                 choices.append(_Choice(k, f"{job_id}-{k}", p, ids))
                 params.append(sp)
+        if loop.max_waiting is not None and len(choices) > loop.max_waiting:
+            field = "n" if len(prompts) == 1 else "prompt"
+            raise bad_request(field, f"{field}: {len(prompts)} prompt(s) x n={req.n} = {len(choices)} samples; "
+                                     f"this server queues at most {loop.max_waiting} (--max-waiting)")
         return _Job(job_id, kind, req, prompts, choices, asyncio.Queue(), int(time.time()), logprobs, params)
 
     def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -251,7 +261,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                     raise bad_request("prompt", "prompt: must not be empty")
                 if tokenizer is None:
                     raise bad_request("prompt", "prompt: this model has no tokenizer; send token ids")
-                out.append((p, tokenizer.encode(p)))
+                out.append((p, encode_text(p, "prompt")))
             else:
                 if not p:
                     raise bad_request("prompt", "prompt: must not be empty")
@@ -269,7 +279,16 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         except Exception as e:  # the template's own checks (e.g. roles must alternate)
             raise bad_request("messages", f"messages: the chat template refused them: {e}") from None
         # The template writes BOS and the other special tokens itself: encoding must not add a second BOS.
-        return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, encode_text(text, "messages", add_special_tokens=False)
+
+    def encode_text(text: str, field: str, **kw) -> list[int]:
+        """Token ids of `text`; a text the tokenizer cannot take (a lone UTF-16 surrogate, which
+        JSON allows) is a 400 naming `field`, not a server error."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(field, f"{field}: not valid Unicode text ({e.reason} at {e.start})") from None
+        return tokenizer(text, **kw)["input_ids"] if kw else tokenizer.encode(text)
 
     def submit(job: _Job, arrival: float) -> None:
         added = []

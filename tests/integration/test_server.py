@@ -289,19 +289,27 @@ BAD = [
     (CH, {"messages": CHAT, "max_completion_tokens": 600}, "max_completion_tokens"),
     (CH, {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     (CH, {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    # lone UTF-16 surrogates are valid JSON but not text: json.dumps sends them
+    (C, {"prompt": "\ud800"}, "prompt"), (C, {"prompt": ["ok", "\ud83d"]}, "prompt"),
+    (CH, {"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages"),
 ]
 
 
 def test_bad_inputs_named_then_good_request(server, client):
     h = {"Authorization": f"Bearer {KEY}"}
     for path, body, field in BAD:
-        r = httpx.post(f"{server.url}/v1/{path}", json={"model": NAME, **body}, headers=h)
+        # json.dumps escapes lone surrogates as Python clients send them (httpx's json= cannot)
+        r = httpx.post(f"{server.url}/v1/{path}", content=json.dumps({"model": NAME, **body}).encode(),
+                       headers={**h, "content-type": "application/json"})
         assert r.status_code == 400, (path, body, r.status_code, r.text)
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"], (body, err)
         assert err["type"] == "invalid_request_error"
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers=h)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    deep = b'{"model": "%s", "prompt": ' % NAME.encode() + b"[" * 100000 + b"]" * 100000 + b"}"
+    r = httpx.post(server.url + "/v1/completions", content=deep, headers=h)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the official client sees it as such
         client.chat.completions.create(model=NAME, messages=CHAT, response_format={"type": "json_object"})
     assert e.value.body["param"] == "response_format"
@@ -350,6 +358,13 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
         server.loop.max_waiting = None
     assert third.status_code == 503 and int(third.headers["Retry-After"]) >= 1
     assert third.json()["error"]["code"] == "server_busy"
+    # a request that alone needs more queue places than exist can never succeed: 400, not 503
+    server.loop.max_waiting = 2
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={**body, "n": 3}, headers=h)
+    finally:
+        server.loop.max_waiting = None
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert first.status_code == 200 and second.status_code == 200
     assert server.wait_idle(5)
 
