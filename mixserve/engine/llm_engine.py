@@ -316,6 +316,9 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
                              f"tokens exceeds max_model_len {self.max_model_len}")
+        if self.block_manager.blocks_for(len(ids) + 1) > self.num_blocks:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room for an output token in the KV cache "
+                             f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
         if self.block_manager.blocks_for(total) > self.num_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")

@@ -125,7 +125,7 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat buffer of at least `numel` elements, shared by every caller on this thread and
     overwritten by the next call: for a weight consumed at once (layers run one after another on
     the engine's thread). Reusing it saves the page faults of a fresh multi-MB allocation each
-    call, which cost more than the dequantization itself (26 of 42 ms for the 1.5B's gate/up)."""
+    call, which (probed once, for the 1.5B's fused gate/up) cost more than the dequantization itself."""
     bufs = _local.__dict__.setdefault("bufs", {})
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:

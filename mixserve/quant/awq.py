@@ -36,6 +36,7 @@ from tqdm import tqdm
 from mixserve.models.config import ModelConfig
 from mixserve.quant.groupwise import fake_quantize, quantizable
 
+CLIP_GROUPS = ("o", "gate_up", "down")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -65,6 +66,16 @@ class AWQConfig:
     duo: bool = False
     clip: str = ""
     seed: int = 0
+
+    def __post_init__(self):
+        bad = [g for g in self.clip_groups if g not in CLIP_GROUPS]
+        if bad:
+            raise ValueError(f"clip: unknown group(s) {', '.join(bad)}; use {', '.join(CLIP_GROUPS)}")
+
+    @property
+    def clip_groups(self) -> tuple[str, ...]:
+        """The groups of `clip`, in order."""
+        return tuple(g for g in self.clip.replace("+", ",").split(",") if g)
 
 
 @dataclass
@@ -120,8 +131,8 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
     """Best per-input-channel scale s [in] for the stacked weights w [out, in] of one group.
 
     x: sampled inputs [N, in] float32; x_mean: mean |x| per channel over all calibration tokens.
-    Returns (s, α). α = 0 (s = 1) is among the candidates, so AWQ never does worse than RTN on
-    this objective.
+    Returns (s, α). s = 1 (reported as α = 0) is always a candidate, so AWQ never does worse than
+    RTN on this objective.
     """
     ones = torch.ones_like(x_mean)
     best = (_out_error(x, fake_quantize(w, qc.group_size, qc.bits), w), ones, 0.0)
@@ -205,9 +216,8 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
     freqs = torch.outer(torch.arange(T).float(), inv)
     cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
     n_tok = B * T
-    # strided samples starting at token 0, so every calibration window's first tokens are scored:
-    # that is where this family's massive activations live (AutoAWQ samples the same way); a
-    # random sample misses them and lets clipping destroy weights only those tokens exercise
+    # strided samples starting at token 0 (as AutoAWQ samples), so every calibration window's
+    # first tokens, where this family's massive activations live, are scored like the rest
     valid = torch.nonzero(torch.arange(n_tok) % T >= qc.skip_first).squeeze(1)
     if valid.numel() == 0:
         raise ValueError(f"skip_first {qc.skip_first} leaves no calibration tokens (samples of {T})")
@@ -248,7 +258,7 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
             feats[key] = feat / s
         for key, names in (("o", ["self_attn.o_proj"]), ("gate_up", ["mlp.gate_proj", "mlp.up_proj"]),
                            ("down", ["mlp.down_proj"])):
-            if key not in qc.clip.replace("+", ",").split(","):
+            if key not in qc.clip_groups:
                 continue
             for n in names:
                 if p + n in skipped:

@@ -88,7 +88,7 @@ def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int)
     name = Path(model).name.replace(".gguf", "")
     if qc.method == "rtn":
         return cache_root() / "quantized" / f"{name}-rtn-w{qc.bits}-g{qc.group_size}"
-    clip = "-clip-" + qc.clip.replace(",", "+") if qc.clip else ""
+    clip = "-clip-" + "+".join(qc.clip_groups) if qc.clip_groups else ""
     return cache_root() / "quantized" / f"{name}-awq-w{qc.bits}-g{qc.group_size}-{tag}-{n}x{seq_len}{clip}"
 
 
@@ -99,8 +99,7 @@ def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflo
                    + 3 * cfg.hidden_size * cfg.intermediate_size)
     fwd = n * seq_len * per_tok
     search = qc.n_grid * min(qc.search_tokens, n * seq_len) * per_tok
-    n_clip = len([g for g in qc.clip.replace("+", ",").split(",") if g])
-    clip = n_clip / 3 * qc.max_shrink * qc.n_grid * qc.clip_tokens * per_tok
+    clip = len(qc.clip_groups) / 3 * qc.max_shrink * qc.n_grid * qc.clip_tokens * per_tok
     return (fwd + (search + clip) / 3) * cfg.num_layers / (gflops * 1e9)
 
 

@@ -227,11 +227,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         for p, (_, ids) in enumerate(prompts):
             max_tokens = req.max_tokens if kind == "completions" else (req.max_tokens or req.max_completion_tokens)
             if max_tokens is None:  # chat default: whatever context is left
-                cap = min(engine.max_model_len, engine.kv_capacity_tokens)
-                if len(ids) >= cap:  # the client sent no max_tokens: the prompt is what does not fit
-                    raise bad_request("messages", f"messages: the prompt is {len(ids)} tokens; at most {cap - 1} fit "
-                                                  "with room for one generated token")
-                max_tokens = cap - len(ids)
+                max_tokens = max(1, min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids))
             for j in range(req.n):
                 k = len(choices)
                 seed = None if req.seed is None else (req.seed + k) % 2**63

@@ -147,6 +147,9 @@ def test_kv_cache_cannot_hold_request(tiny):
     llm = LLM(folder, dtype="float32", kv_cache_memory=4 * 16 * cfg.kv_bytes_per_token(4), progress=False)
     with pytest.raises(ValueError, match="never fit"):
         llm.engine.add_request([1] * 10, SamplingParams(max_tokens=60))
+    # a prompt that alone fills the cache is the prompt's fault, whatever max_tokens says
+    with pytest.raises(ValueError, match="^prompt: 64 tokens leave no room"):
+        llm.engine.add_request([1] * 64, SamplingParams(max_tokens=1))
 
 
 def test_abort_frees_blocks(tiny):

@@ -338,3 +338,10 @@ def test_lm_head_rounded_to_int4_at_load_on_request(tmp_path):
     assert not torch.allclose(plain.lm_head(x).float(), want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="quant_lm_head"):
         EngineArgs(model=str(tmp_path / "dense-nothing"), quant_lm_head=True).validate()
+
+
+def test_clip_groups_are_parsed_and_checked():
+    assert AWQConfig().clip_groups == ()
+    assert AWQConfig(clip="o+gate_up,down").clip_groups == ("o", "gate_up", "down")
+    with pytest.raises(ValueError, match="clip: unknown group"):
+        AWQConfig(clip="o,q")
