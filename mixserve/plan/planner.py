@@ -125,8 +125,11 @@ class Planner:
         return True
 
     def max_rate(self, v: Variant, offline: SimResult) -> dict:
-        """Bisection over Poisson rates. Returns {"rate": req/s (0 when even a lone stream misses
-        the SLO), "result": SimResult at that rate, "curve": [(rate, ttft_p99, tpot_p99, ok)]}."""
+        """Bisection over Poisson rates. A rate is sustainable when the SLO is met and the rate is
+        at most the engine's capacity on this trace (the offline requests/s): above it a long
+        stream queues without bound, which a finite trace may hide. Returns {"rate": req/s (0 when
+        even a lone stream misses the SLO), "limit": "slo" | "capacity" | "unloaded", "result":
+        SimResult at that rate, "curve": [(rate, ttft_p99, tpot_p99, ok)]}."""
         curve = []
 
         def probe(rate):
@@ -135,25 +138,24 @@ class Planner:
             curve.append((rate, res.report["ttft_s"]["p99"], res.report["tpot_s"]["p99"], ok))
             return res, ok
 
-        # a request every 1000 s of simulated time never queues: the unloaded latency
-        lo_rate = 1e-3 / max(1e-9, offline.duration_s / len(self.reqs))
-        lo_res, ok = probe(lo_rate)
+        cap = offline.report["requests_per_s"]
+        # a request every 1000 mean service times never queues: the unloaded latency
+        lo = cap * 1e-3
+        lo_res, ok = probe(lo)
         if not ok:
-            return {"rate": 0.0, "result": lo_res, "curve": curve}
-        hi = 2.0 * max(offline.report["requests_per_s"], lo_rate)
-        hi_res, ok = probe(hi)
-        while ok and hi < 1e6:  # the trace is too short to queue at this rate: go higher
-            lo_rate, lo_res = hi, hi_res
-            hi *= 4
-            hi_res, ok = probe(hi)
+            return {"rate": 0.0, "limit": "unloaded", "result": lo_res, "curve": curve}
+        hi_res, ok = probe(cap)
+        if ok:
+            return {"rate": cap, "limit": "capacity", "result": hi_res, "curve": sorted(curve)}
+        hi = cap
         for _ in range(self.ps.bisect_iters):
-            mid = math.sqrt(lo_rate * hi)
+            mid = math.sqrt(lo * hi)
             res, ok = probe(mid)
             if ok:
-                lo_rate, lo_res = mid, res
+                lo, lo_res = mid, res
             else:
                 hi = mid
-        return {"rate": lo_rate, "result": lo_res, "curve": sorted(curve)}
+        return {"rate": lo, "limit": "slo", "result": lo_res, "curve": sorted(curve)}
 
     def single_stream_tpot(self, v: Variant) -> float:
         """TPOT (seconds) of the trace's median-length request running alone."""
@@ -170,7 +172,8 @@ class Planner:
                "single_stream_tpot_s": self.single_stream_tpot(v)}
         if find_rate and self.ps.slo:
             mr = self.max_rate(v, off)
-            out["max_rate"] = {"rate_per_s": mr["rate"], "at_rate": mr["result"].report, "curve": mr["curve"]}
+            out["max_rate"] = {"rate_per_s": mr["rate"], "limit": mr["limit"], "at_rate": mr["result"].report,
+                               "curve": mr["curve"]}
             out["_at_rate"] = mr["result"]
         out["_offline"] = off
         return out
@@ -315,6 +318,7 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
                "peak_bytes_at_max_rate": at.peak_kv_blocks * ps.block_size * kv_tok,
                "all_requests_at_once_bytes": sum(r.prompt_tokens + r.output_tokens for r in reqs) * kv_tok},
         "baseline": {"throughput_output_tokens_per_s": thr(base), "max_rate_per_s": rate(base),
+                     "max_rate_limit": base.get("max_rate", {}).get("limit"),
                      "at_max_rate": {k: base.get("max_rate", {}).get("at_rate", {}).get(k)
                                      for k in ("ttft_s", "tpot_s", "e2e_s", "output_tokens_per_s")},
                      "offline": {k: base["offline"][k] for k in ("ttft_s", "tpot_s", "e2e_s", "duration_s")}},

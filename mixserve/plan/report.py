@@ -27,7 +27,9 @@ def format_table(plan: dict) -> str:
              f"{kv['peak_bytes_offline'] / 2**20:.0f} MiB offline, {kv['peak_bytes_at_max_rate'] / 2**20:.0f} MiB "
              f"at the max rate; all requests at once would need {kv['all_requests_at_once_bytes'] / 2**20:.0f} MiB",
              f"throughput (all queued at t=0): {b['throughput_output_tokens_per_s']:.1f} output tokens/s",
-             f"max sustainable rate under {slo}: {b['max_rate_per_s']:.3f} requests/s"]
+             f"max sustainable rate under {slo}: {b['max_rate_per_s']:.3f} requests/s"
+             + (" (the engine's capacity on this trace: the SLO holds up to it)"
+                if b.get("max_rate_limit") == "capacity" else "")]
     at = b["at_max_rate"]
     if not b["max_rate_per_s"]:
         lines.append("  the SLO is missed even by requests arriving one at a time (unloaded latency)")

@@ -90,10 +90,21 @@ def test_max_rate_meets_slo_and_twice_it_does_not():
     ps = PlanSettings(kv_bytes=64 << 20, slo=parse_slo("ttft_p99=3s,tpot_p99=300ms"), bisect_iters=8)
     pl = Planner(CFG, sm, {"kind": "measured"}, trace(), ps)
     v = Variant("base")
-    mr = pl.max_rate(v, pl.run(v))
-    assert mr["rate"] > 0
+    off = pl.run(v)
+    mr = pl.max_rate(v, off)
+    assert mr["limit"] == "slo" and 0 < mr["rate"] < off.report["requests_per_s"]
     assert pl.meets_slo(pl.run(v, mr["rate"]))
     assert not pl.meets_slo(pl.run(v, 2 * mr["rate"]))
+
+
+def test_lax_slo_is_capped_at_capacity():
+    # a short trace meets any lax SLO at any rate; the engine's offline rate caps it
+    sm = MeasuredModel(CFG, fake_profile())
+    pl = Planner(CFG, sm, {"kind": "measured"}, trace(10), PlanSettings(kv_bytes=64 << 20,
+                                                                        slo=parse_slo("ttft_p99=1000s")))
+    off = pl.run(Variant("base"))
+    mr = pl.max_rate(Variant("base"), off)
+    assert mr["limit"] == "capacity" and mr["rate"] == off.report["requests_per_s"]
 
 
 def test_plan_end_to_end(tmp_path):
