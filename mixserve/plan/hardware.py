@@ -96,7 +96,6 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                                 "in_features": s.in_features}
             log(f"  {fmt:5} {s.name:8} [{s.out_features}x{s.in_features}] "
                 + " ".join(f"{r}:{t * 1e3:.2f}ms" for r, t in zip(rows, ts)))
-            del lin
     return {f: out[f] for f in formats}
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from mixserve.models.config import ModelConfig
-from mixserve.plan.cost_model import BF16, INT4, WeightFormat, kv_bytes_per_token, weight_bytes
+from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token, weight_bytes
 from mixserve.plan.simulator import SimConfig, SimRequest, SimResult, SpecSettings, simulate
 from mixserve.plan.step_time import MeasuredModel, RooflineModel, StepBatch, StepModel
 
