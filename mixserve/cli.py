@@ -1,4 +1,4 @@
-"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl`."""
+"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl | hw probe | plan`."""
 from __future__ import annotations
 
 import argparse
@@ -274,6 +274,63 @@ def cmd_eval_ppl(a) -> int:
     return rc
 
 
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not xs or min(xs) < 1:
+        raise ValueError(f"{what}: expected positive integers, got {text!r}")
+    return xs
+
+
+def cmd_hw_probe(a) -> int:
+    from mixserve.plan.hardware import probe
+
+    formats = tuple(f.strip() for f in a.formats.split(",") if f.strip())
+    prof = probe(a.model, _int_list(a.rows, "rows"), formats, a.repeats, a.max_context,
+                 engine_steps=not a.no_engine_steps)
+    out = Path(a.out or f"results/hw-{Path(a.model).name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_plan(a) -> int:
+    from mixserve.engine.llm_engine import parse_bytes
+    from mixserve.models.config import ModelConfig
+    from mixserve.models.loader import convert_gguf
+    from mixserve.models.registry import resolve_model
+    from mixserve.plan.hardware import load_step_model
+    from mixserve.plan.planner import PlanSettings, make_plan, parse_slo, trace_requests
+    from mixserve.plan.report import format_table, write_report
+    from mixserve.plan.simulator import SpecSettings
+
+    if a.measure:
+        raise ValueError("measure: measuring speculative acceptance on a sample of the trace is not implemented "
+                         "yet; pass --spec-alpha (e.g. from `mixserve bench --draft-model ...`, which prints alpha)")
+    # every flag is checked before the slower trace loading
+    slo = parse_slo(a.slo)
+    spec = SpecSettings(a.spec_alpha, a.spec_k, a.spec_draft_cost, "auto")
+    ps = PlanSettings(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+                      max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                      kv_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, slo=slo,
+                      seed=a.seed, bisect_iters=a.bisect_iters)
+    r = resolve_model(a.model)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    cfg = ModelConfig.from_folder(folder)
+    sm, hw = load_step_model(a.hardware, cfg)
+    reqs = trace_requests(a.trace, a.model, a.num_prompts, a.seed, a.output_len_cap, a.max_prompt_len)
+    plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr))
+    plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
+    print(format_table(plan))
+    out = Path(a.out or f"results/plan-{Path(a.trace).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    paths = write_report(plan, evals, out)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -356,6 +413,46 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=None, help="an earlier eval-ppl JSON: report the paired increase over it")
     p.add_argument("--output", default=None)
     p.set_defaults(fn=cmd_eval_ppl)
+
+    p = sub.add_parser("hw", help="measure this machine for the planner")
+    hw = p.add_subparsers(dest="hw_cmd", required=True)
+    p = hw.add_parser("probe", help="time the model's linears (bf16, int4) by rows, attention by context, "
+                                    "memory bandwidth and per-step overhead; save a JSON profile")
+    p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder")
+    p.add_argument("--out", default=None, help="profile path (default results/hw-*.json)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="row counts timed per linear")
+    p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median is kept)")
+    p.add_argument("--max-context", type=int, default=2048, help="longest context timed for attention (tokens)")
+    p.add_argument("--no-engine-steps", action="store_true",
+                   help="skip the real engine steps that measure per-step overhead (overhead then 0)")
+    p.set_defaults(fn=cmd_hw_probe)
+
+    p = sub.add_parser("plan", help="simulate the engine over a trace: max rate under an SLO, what each "
+                                    "optimization buys for this mix")
+    p.add_argument("--trace", required=True, help="sharegpt | humaneval | FILE.jsonl")
+    p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (config and tokenizer)")
+    p.add_argument("--hardware", required=True, help="a `hw probe` profile JSON, or h100-sxm | h200 | a100-80gb | l4 "
+                                                     "(datasheet roofline, not measured here)")
+    p.add_argument("--slo", default="ttft_p99=2s,tpot_p99=200ms", help="e.g. ttft_p99=2s,tpot_p99=200ms")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache size (default: memory left after weights on a datasheet device, else 1GiB)")
+    p.add_argument("--out", default=None, help="report folder (default results/plan-*)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-len-cap", type=int, default=256)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--spec-alpha", type=float, default=0.6, help="speculative acceptance per token (assumed)")
+    p.add_argument("--spec-k", type=int, default=4, help="most speculative tokens per step")
+    p.add_argument("--spec-draft-cost", type=float, default=0.0,
+                   help="draft step time / target step time at the same rows (0: prompt lookup)")
+    p.add_argument("--bisect-iters", type=int, default=10, help="bisection steps for the max rate")
+    p.add_argument("--measure", action="store_true", help="measure alpha on a sample (not implemented yet)")
+    p.set_defaults(fn=cmd_plan)
 
     a = ap.parse_args(argv)
     try:

@@ -1,0 +1,302 @@
+"""`mixserve hw probe`: measure this machine for one model, and load hardware for the planner.
+
+The probe times the engine's own code on the model's real shapes (random weights: the time of a
+matmul does not depend on the values):
+  * each fused linear (qkv, o, gate_up, down, lm_head) by rows, as DenseLinear (bf16) and
+    Int4Linear (int4, group size 128) — layers/linear.py;
+  * paged attention (layers/attention.py) of decode batches by rows and context, and of prefill
+    chunks by query tokens and context, through the model runner's own batch preparation;
+  * memory bandwidth from a large tensor copy (bytes read + bytes written per second);
+  * per-step overhead: real engine steps (decode batches and prefills) minus what the linear and
+    attention measurements predict for them; the rest (scheduling, batch preparation, embedding,
+    norms, RoPE, sampling, output handling) is fitted as a + b * seqs + c * tokens.
+The profile is JSON; `load_step_model` turns it, or a named accelerator, into a StepModel.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mixserve.models.config import ModelConfig
+from mixserve.plan.cost_model import linear_shapes
+from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch, StepModel
+
+DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+PROFILE_VERSION = 1
+
+
+def _time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `repeats` calls after `warmup` (oneDNN builds a primitive per new shape
+    on first use; the median drops a noisy neighbour's spikes)."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares y ≈ X @ c with c >= 0: terms whose coefficient comes out negative (noise)
+    are dropped and the rest refitted. Returns the coefficients, 0 for dropped terms."""
+    keep = list(range(X.shape[1]))
+    while keep:
+        c, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        if (c >= 0).all():
+            out = [0.0] * X.shape[1]
+            for i, v in zip(keep, c):
+                out[i] = float(v)
+            return out
+        keep.pop(int(np.argmin(c)))
+    return [0.0] * X.shape[1]
+
+
+def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int):
+    from mixserve.layers.linear import DenseLinear, Int4Linear
+
+    g = torch.Generator().manual_seed(0)
+    if fmt == "bf16":
+        return DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
+    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
+    s = torch.rand(out_f, in_f // group_size, generator=g).half() * 0.01
+    z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
+    return Int4Linear(q, s, z, group_size, None, dtype)
+
+
+def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, repeats: int,
+                  group_size: int = 128, log=print) -> dict:
+    """{format: {shape: {"rows": [...], "seconds": [...]}}}: median seconds of one call."""
+    from mixserve.layers.linear import int4_supported
+
+    out = {}
+    # bf16 first: an int4 shape the kernel cannot take reuses its dense time
+    for fmt in sorted(set(formats) | ({"bf16"} if "int4" in formats else set())):
+        out[fmt] = {}
+        for s in linear_shapes(cfg):
+            why = int4_supported(s.out_features, s.in_features, group_size) if fmt == "int4" else None
+            if why:  # the engine leaves this linear dense (quant/loading.py make_linear): so is its time
+                out[fmt][s.name] = {**out["bf16"][s.name], "note": f"runs dense in the engine: {why}"}
+                log(f"  {fmt:5} {s.name:8} runs dense ({why})")
+                continue
+            lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size)
+            ts = []
+            for r in rows:
+                x = torch.randn(r, s.in_features).to(dtype)
+                with torch.inference_mode():
+                    # few repeats for the big calls: their spread is small relative to their time
+                    ts.append(_time(lambda: lin(x), repeats if r * s.numel < 2e9 else max(1, repeats // 2)))
+            out[fmt][s.name] = {"rows": list(rows), "seconds": ts, "out_features": s.out_features,
+                                "in_features": s.in_features}
+            log(f"  {fmt:5} {s.name:8} [{s.out_features}x{s.in_features}] "
+                + " ".join(f"{r}:{t * 1e3:.2f}ms" for r, t in zip(rows, ts)))
+    return {f: out[f] for f in formats}
+
+
+class _Holder:
+    """Stands in for a model when only the runner's batch preparation is wanted."""
+
+    def bind_kv_cache(self, k, v):
+        pass
+
+
+def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[int, int] | None,
+                    repeats: int, block_size: int = 16) -> float:
+    """Median seconds of one layer's paged_attention for the given batch, prepared by the
+    engine's ModelRunner over a BlockManager holding just these sequences."""
+    from mixserve.engine.model_runner import BatchItem, ModelRunner
+    from mixserve.kv.block_manager import BlockManager
+    from mixserve.layers.attention import paged_attention
+
+    need = sum(-(-c // block_size) for c in decode_ctx) + (-(-span[1] // block_size) if span else 0)
+    bm = BlockManager(need + 1, block_size)
+    one = ModelConfig(**{**cfg.as_dict(), "num_layers": 1})
+    runner = ModelRunner(_Holder(), one, bm, need + 1, block_size, dtype)
+    items = []
+    for i, c in enumerate(decode_ctx):
+        bm.append_slots(i, 0, c)
+        items.append(BatchItem(i, [0] * c, c - 1, c, 1))
+    if span:
+        q, c = span
+        bm.append_slots(10**6, 0, c)
+        items.append(BatchItem(10**6, [0] * c, c - q, c, 1))
+    batch = runner.prepare(items)
+    T = batch.input_ids.shape[0]
+    qt = torch.randn(T, cfg.num_heads, cfg.head_dim).to(dtype)
+    kt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+    vt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+    kc, vc = runner.k_caches[0], runner.v_caches[0]
+    with torch.inference_mode():
+        return _time(lambda: paged_attention(qt, kt, vt, kc, vc, batch.meta, cfg.head_dim ** -0.5), repeats)
+
+
+def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print) -> dict:
+    """Decode attention over (rows, context) and span attention over (queries, context), one
+    layer, with least-squares fits (see MeasuredModel)."""
+    dec_pts = []
+    for b in (1, 8, 32):
+        for c in (128, 512, max_context):
+            t = _attention_case(cfg, dtype, [c] * b, None, repeats)
+            dec_pts.append({"rows": b, "context": c, "seconds": t})
+    X = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in dec_pts])
+    dec_fit = fit_nonneg(X, np.array([p["seconds"] for p in dec_pts]))
+    span_pts = []
+    for q, c in ((16, 16), (128, 128), (512, 512), (min(2048, max_context), min(2048, max_context)),
+                 (64, 1024), (256, 1024), (5, 512)):
+        t = _attention_case(cfg, dtype, [], (q, c), repeats)
+        span_pts.append({"queries": q, "context": c, "seconds": t})
+    X = np.array([[1.0, p["queries"], p["queries"] * p["context"] - p["queries"] * (p["queries"] - 1) // 2]
+                  for p in span_pts])
+    span_fit = fit_nonneg(X, np.array([p["seconds"] for p in span_pts]))
+    log(f"  attention decode fit a={dec_fit[0] * 1e6:.1f}us b={dec_fit[1] * 1e6:.2f}us/row "
+        f"c={dec_fit[2] * 1e9:.2f}ns/context-token; span fit a={span_fit[0] * 1e6:.1f}us "
+        f"b={span_fit[1] * 1e6:.2f}us/query c={span_fit[2] * 1e9:.3f}ns/pair (per layer)")
+    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"]},
+            "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
+
+
+def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes per second of a large tensor copy, counting the read and the write."""
+    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    b = torch.empty_like(a)
+    t = _time(lambda: b.copy_(a), repeats)
+    return 2 * nbytes / t
+
+
+def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print) -> dict:
+    """Real engine steps minus the linear + attention time `partial` predicts for them.
+
+    Decode batches of 1, 4 and 16 rows (32-token prompts) and prefills of 32 and 256 tokens run
+    on the real model; the residual is fitted as a + b * seqs + c * tokens seconds."""
+    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
+                               max_num_batched_tokens=4096, max_model_len=2048))
+    sm = MeasuredModel(eng.cfg, {**partial, "overhead": {"fit": [0.0, 0.0, 0.0]}})
+    pts = []
+    sp = SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0.0)
+    rng = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(0, eng.cfg.vocab_size, (n,), generator=rng).tolist()
+
+    for n in (32, 256, 32, 256):  # twice: the first of each shape pays for oneDNN's primitive setup
+        rid = eng.add_request(ids(n), sp)
+        t0 = time.perf_counter()
+        eng.step()
+        t = time.perf_counter() - t0
+        eng.abort(rid)
+        pts.append({"seqs": 1, "tokens": n, "seconds": t,
+                    "predicted_compute": sm.step_time(StepBatch([], [(n, n)], 1))})
+    pts = pts[2:]
+    for b in (1, 4, 16):
+        rids = [eng.add_request(ids(32), sp) for _ in range(b)]
+        eng.step()  # the prefills
+        ctx = [33] * b
+        ts, pred = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            eng.step()
+            ts.append(time.perf_counter() - t0)
+            pred.append(sm.step_time(StepBatch(ctx, [], b)))
+            ctx = [c + 1 for c in ctx]
+        pts.append({"seqs": b, "tokens": b, "seconds": statistics.median(ts[1:]),
+                    "predicted_compute": statistics.median(pred[1:])})
+        for r in rids:
+            eng.abort(r)
+    X = np.array([[1.0, p["seqs"], p["tokens"]] for p in pts])
+    y = np.array([p["seconds"] - p["predicted_compute"] for p in pts])
+    fit = fit_nonneg(X, y)
+    for p in pts:
+        log(f"  engine step seqs={p['seqs']} tokens={p['tokens']}: {p['seconds'] * 1e3:.2f} ms, "
+            f"linear+attention predict {p['predicted_compute'] * 1e3:.2f} ms")
+    log(f"  overhead fit a={fit[0] * 1e3:.3f}ms b={fit[1] * 1e3:.3f}ms/seq c={fit[2] * 1e6:.2f}us/token")
+    return {"points": pts, "fit": fit, "terms": ["1", "seqs", "tokens"]}
+
+
+def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = ("bf16", "int4"),
+          repeats: int = 5, max_context: int = 2048, engine_steps: bool = True, log=print) -> dict:
+    """Measure this machine for `model` (a built-in name, GGUF or HF folder). Returns the
+    profile dict (JSON-serializable); see the module docstring for what is measured.
+
+    Raises ValueError for empty rows or an unknown format.
+    """
+    from mixserve.cli import machine_info
+    from mixserve.engine.llm_engine import default_dtype
+    from mixserve.models.loader import convert_gguf
+    from mixserve.models.registry import resolve_model
+
+    rows = sorted(set(rows or DEFAULT_ROWS))
+    if not rows or rows[0] < 1:
+        raise ValueError("rows: give positive row counts, e.g. 1,2,4,...,512")
+    bad = [f for f in formats if f not in ("bf16", "int4")]
+    if bad:
+        raise ValueError(f"formats: unknown {bad}; use bf16 and/or int4")
+    r = resolve_model(model)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    cfg = ModelConfig.from_folder(folder)
+    dtype = default_dtype()
+    log(f"probing {model} on {machine_info()['cpu']} ({torch.get_num_threads()} threads, {dtype})")
+    t0 = time.perf_counter()
+    bw = probe_bandwidth()
+    log(f"  memory bandwidth (copy, read + write): {bw / 1e9:.1f} GB/s")
+    prof = {
+        "version": PROFILE_VERSION,
+        "kind": "measured",
+        "model": model,
+        "config": cfg.as_dict(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "int4_group_size": 128,
+        "machine": {**machine_info(), "device": "cpu"},
+        "bandwidth_bytes_per_s": bw,
+        "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log),
+        "attention": probe_attention(cfg, dtype, repeats, max_context, log=log),
+    }
+    if engine_steps:
+        prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log)
+    else:
+        prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],
+                            "note": "not measured (--no-engine-steps)"}
+    prof["probe_seconds"] = time.perf_counter() - t0
+    return prof
+
+
+def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[StepModel, dict]:
+    """A StepModel from a profile JSON path or an accelerator name (h100-sxm, h200, a100-80gb,
+    l4). `cfg` is the model to plan for; a measured profile is only valid for the model it was
+    measured with (its shapes). Returns (model, description dict).
+
+    Raises ValueError for an unknown name, an unreadable profile, or a model/profile mismatch.
+    """
+    if hardware.lower() in ACCELERATORS:
+        if cfg is None:
+            raise ValueError("hardware: a datasheet accelerator needs the model's config")
+        acc = ACCELERATORS[hardware.lower()]
+        return RooflineModel(cfg, acc), {"kind": "datasheet", "label": "datasheet, not measured here",
+                                         "name": acc.name, "bf16_flops": acc.bf16_flops,
+                                         "bandwidth_bytes_per_s": acc.bandwidth, "memory_bytes": acc.memory_bytes,
+                                         "source": acc.source}
+    p = Path(hardware)
+    if not p.is_file():
+        raise ValueError(f"hardware: {hardware!r} is neither a profile file nor one of {sorted(ACCELERATORS)}")
+    try:
+        prof = json.loads(p.read_text())
+        pcfg = ModelConfig(**prof["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"hardware: {hardware} is not a `mixserve hw probe` profile ({e})") from None
+    if cfg is not None:
+        mine = [(s.name, s.out_features, s.in_features) for s in linear_shapes(cfg)] + [cfg.num_layers]
+        theirs = [(s.name, s.out_features, s.in_features) for s in linear_shapes(pcfg)] + [pcfg.num_layers]
+        if mine != theirs:
+            raise ValueError(f"hardware: {hardware} was measured for {prof.get('model')!r}, whose shapes differ "
+                             "from the model planned for; run `mixserve hw probe --model` for it")
+    return MeasuredModel(pcfg, prof), {"kind": "measured", "label": "measured here", "model": prof.get("model"),
+                                       "machine": prof.get("machine"),
+                                       "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s")}

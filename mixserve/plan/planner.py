@@ -1,0 +1,329 @@
+"""`mixserve plan`: capacity of one model on one machine for one traffic mix, and what each
+optimization buys for that mix, from the simulator (simulator.py) and a step-time model
+(a measured `hw probe` profile or a datasheet roofline, step_time.py).
+
+Max sustainable rate: the highest Poisson arrival rate (requests/s) at which the trace's p99 TTFT
+and p99 TPOT stay within the SLO, found by bisection (SLO met at the lower end, missed at the
+upper). Throughput: output tokens/s with every request queued at t = 0 (as `mixserve bench`).
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, field, replace
+
+from mixserve.models.config import ModelConfig
+from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token, weight_bytes
+from mixserve.plan.simulator import SimConfig, SimRequest, SimResult, SpecSettings, simulate
+from mixserve.plan.step_time import MeasuredModel, RooflineModel, StepBatch, StepModel
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_slo(text: str | None) -> dict:
+    """'ttft_p99=2s,tpot_p99=200ms' -> {"ttft_p99": 2.0, "tpot_p99": 0.2} (seconds).
+    Keys: ttft_p50|p90|p99, tpot_p50|p90|p99. Raises ValueError naming the bad part."""
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        m = re.fullmatch(r"\s*(ttft|tpot)_p(50|90|99)\s*=\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", part)
+        if not m:
+            raise ValueError(f"slo: cannot read {part!r}; use e.g. ttft_p99=2s,tpot_p99=200ms")
+        out[f"{m.group(1)}_p{m.group(2)}"] = float(m.group(3)) * _TIME_UNITS[m.group(4) or "s"]
+    return out
+
+
+DEFAULT_SLO = "ttft_p99=2s,tpot_p99=200ms"
+
+
+@dataclass
+class Variant:
+    """One engine configuration to plan: weights format, allocator, speculation."""
+
+    name: str
+    fmt: WeightFormat = BF16
+    allocator: str = "paged"
+    reserve: str = "max-model-len"
+    spec: SpecSettings | None = None
+
+
+@dataclass
+class PlanSettings:
+    """Engine settings (EngineArgs names) plus the planner's own: slo (seconds by key),
+    kv_bytes (None: memory left after weights on a datasheet device, else the engine default
+    1 GiB), device_memory_fraction (share of a datasheet device's memory the engine may use),
+    seed (Poisson arrivals and acceptance draws), bisect_iters."""
+
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    kv_bytes: int | None = None
+    slo: dict = field(default_factory=lambda: parse_slo(DEFAULT_SLO))
+    device_memory_fraction: float = 0.9
+    seed: int = 0
+    bisect_iters: int = 10
+
+
+def kv_budget(cfg: ModelConfig, sm: StepModel, ps: PlanSettings, fmt: WeightFormat, hw: dict) -> int:
+    """KV cache bytes: as given, else on a datasheet device memory * fraction - weights (as vLLM's
+    gpu_memory_utilization), else the engine's default 1 GiB. Raises ValueError when the weights
+    leave no memory."""
+    if ps.kv_bytes is not None:
+        return ps.kv_bytes
+    if isinstance(sm, RooflineModel):
+        left = hw["memory_bytes"] * ps.device_memory_fraction - weight_bytes(cfg, fmt)["total"]
+        if left <= 0:
+            raise ValueError(f"kv_cache_memory: the {fmt.name} weights do not fit in {hw['name']}")
+        return int(left)
+    return 1 << 30
+
+
+def with_poisson_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> list[SimRequest]:
+    """The same requests, in trace order, arriving as a Poisson process of `rate` requests/s."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for r in reqs:
+        out.append(replace(r, arrival_s=t))
+        t += rng.expovariate(rate)
+    return out
+
+
+class Planner:
+    """Simulates `reqs` under variants of one engine configuration.
+
+    Args: cfg (model), sm (step-time model), hw (hardware description from load_step_model),
+    reqs (the trace in tokens), ps (settings).
+    """
+
+    def __init__(self, cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings):
+        if not reqs:
+            raise ValueError("trace: no requests")
+        self.cfg, self.sm, self.hw, self.reqs, self.ps = cfg, sm, hw, reqs, ps
+        self.kv_token_bytes = kv_bytes_per_token(cfg)
+
+    def sim_config(self, v: Variant) -> SimConfig:
+        ps = self.ps
+        blocks = kv_budget(self.cfg, self.sm, ps, v.fmt, self.hw) // (ps.block_size * self.kv_token_bytes)
+        return SimConfig(num_blocks=max(1, blocks), block_size=ps.block_size, max_num_seqs=ps.max_num_seqs,
+                         max_num_batched_tokens=ps.max_num_batched_tokens, max_model_len=ps.max_model_len,
+                         allocator=v.allocator, reserve=v.reserve, spec=v.spec, seed=ps.seed)
+
+    def run(self, v: Variant, rate: float | None = None, reqs: list[SimRequest] | None = None) -> SimResult:
+        """One simulation: rate None = the trace's own arrival times (all at 0 when it has none)."""
+        reqs = reqs or self.reqs
+        if rate is not None:
+            reqs = with_poisson_arrivals(reqs, rate, self.ps.seed)
+        return simulate(reqs, self.sim_config(v), lambda b: self.sm.step_time(b, v.fmt))
+
+    def meets_slo(self, res: SimResult) -> bool:
+        for key, limit in self.ps.slo.items():
+            metric, pct = key.split("_")
+            v = res.report[f"{metric}_s"][pct]
+            if not (v <= limit) and not math.isnan(v):
+                return False
+        return True
+
+    def max_rate(self, v: Variant, offline: SimResult) -> dict:
+        """Bisection over Poisson rates. A rate is sustainable when the SLO is met and the rate is
+        at most the engine's capacity on this trace (the offline requests/s): above it a long
+        stream queues without bound, which a finite trace may hide. Returns {"rate": req/s (0 when
+        even a lone stream misses the SLO), "limit": "slo" | "capacity" | "unloaded", "result":
+        SimResult at that rate, "curve": [(rate, ttft_p99, tpot_p99, ok)]}."""
+        curve = []
+
+        def probe(rate):
+            res = self.run(v, rate)
+            ok = self.meets_slo(res)
+            curve.append((rate, res.report["ttft_s"]["p99"], res.report["tpot_s"]["p99"], ok))
+            return res, ok
+
+        cap = offline.report["requests_per_s"]
+        # a request every 1000 mean service times never queues: the unloaded latency
+        lo = cap * 1e-3
+        lo_res, ok = probe(lo)
+        if not ok:
+            return {"rate": 0.0, "limit": "unloaded", "result": lo_res, "curve": curve}
+        hi_res, ok = probe(cap)
+        if ok:
+            return {"rate": cap, "limit": "capacity", "result": hi_res, "curve": sorted(curve)}
+        hi = cap
+        for _ in range(self.ps.bisect_iters):
+            mid = math.sqrt(lo * hi)
+            res, ok = probe(mid)
+            if ok:
+                lo, lo_res = mid, res
+            else:
+                hi = mid
+        return {"rate": lo, "limit": "slo", "result": lo_res, "curve": sorted(curve)}
+
+    def single_stream_tpot(self, v: Variant) -> float:
+        """TPOT (seconds) of the trace's median-length request running alone."""
+        mid = sorted(self.reqs, key=lambda r: r.prompt_tokens + r.output_tokens)[len(self.reqs) // 2]
+        one = SimRequest(mid.prompt_tokens, max(2, mid.output_tokens), 0.0, mid.tag)
+        return self.run(v, None, [one]).report["tpot_s"]["p50"]
+
+    def evaluate(self, v: Variant, find_rate: bool = True) -> dict:
+        off = self.run(v)
+        out = {"variant": v.name, "format": v.fmt.name, "allocator": v.allocator,
+               "reserve": v.reserve if v.allocator == "contiguous" else None,
+               "spec": None if v.spec is None else vars(v.spec),
+               "kv_blocks": self.sim_config(v).num_blocks, "offline": off.report,
+               "single_stream_tpot_s": self.single_stream_tpot(v)}
+        if find_rate and self.ps.slo:
+            mr = self.max_rate(v, off)
+            out["max_rate"] = {"rate_per_s": mr["rate"], "limit": mr["limit"], "at_rate": mr["result"].report,
+                               "curve": mr["curve"]}
+            out["_at_rate"] = mr["result"]
+        out["_offline"] = off
+        return out
+
+
+def binding(cfg: ModelConfig, sm: StepModel, hw: dict, batch: StepBatch, fmt: WeightFormat = BF16) -> dict:
+    """Which resource binds a step of shape `batch`: the roofline terms (FLOPs / peak FLOP/s,
+    bytes / bandwidth; measured profiles use the best FLOP/s their linear tables reached and the
+    measured copy bandwidth) and the step-time breakdown. `bound` is "compute" or "bandwidth",
+    or "overhead" when the non-matmul, non-attention time is over half the step."""
+    from mixserve.plan.cost_model import attention_flops, linear_flops_per_token
+
+    tokens = batch.num_tokens
+    flops = (tokens * linear_flops_per_token(cfg, with_lm_head=False)
+             + batch.sampled_rows * 2 * cfg.vocab_size * cfg.hidden_size
+             + attention_flops(cfg, sum(batch.decode_contexts))
+             + sum(attention_flops(cfg, q * c - q * (q - 1) // 2) for q, c in batch.spans))
+    kv_read = kv_bytes_per_token(cfg) * (sum(batch.decode_contexts) + sum(c for _, c in batch.spans))
+    byts = weight_bytes(cfg, fmt)["decode_read"] + kv_read
+    if isinstance(sm, RooflineModel):
+        peak, bw = sm.acc.bf16_flops, sm.acc.bandwidth
+    else:
+        peak = _measured_peak_flops(sm)
+        bw = hw.get("bandwidth_bytes_per_s") or float("nan")
+    bd = sm.breakdown(batch, fmt)
+    total = sum(bd.values())
+    t_c, t_m = flops / peak, byts / bw
+    bound = "compute" if t_c >= t_m else "bandwidth"
+    if total > 0 and bd["overhead"] / total > 0.5:
+        bound = "overhead"
+    return {"tokens": tokens, "seqs": batch.num_seqs, "flops": flops, "bytes": byts, "compute_s": t_c,
+            "memory_s": t_m, "step_s": total, "breakdown_s": bd, "bound": bound, "peak_flops": peak,
+            "bandwidth_bytes_per_s": bw}
+
+
+def _measured_peak_flops(sm: MeasuredModel) -> float:
+    best = 0.0
+    for name, t in sm.profile["linear"].get("bf16", {}).items():
+        for r, s in zip(t["rows"], t["seconds"]):
+            best = max(best, 2 * r * t["out_features"] * t["in_features"] / s)
+    return best
+
+
+def typical_batches(res: SimResult, reqs: list[SimRequest], ps: PlanSettings) -> dict:
+    """A typical prefill step (the trace's median prompt, chunked to the token budget) and a
+    typical decode step (the mean number of sequences per step of the run, at the median
+    context), for `binding`."""
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    outs = sorted(r.output_tokens for r in reqs)
+    p = min(prompts[len(prompts) // 2], ps.max_num_batched_tokens)
+    seqs = [s[3] for s in res.steps] or [1]
+    b = max(1, round(sum(seqs) / len(seqs)))
+    ctx = prompts[len(prompts) // 2] + outs[len(outs) // 2] // 2
+    return {"prefill": StepBatch([], [(p, p)], 1), "decode": StepBatch([ctx] * b, [], b)}
+
+
+def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 0, output_len_cap: int = 256,
+                   max_prompt_len: int = 1024) -> list[SimRequest]:
+    """A trace (sharegpt | humaneval | FILE.jsonl, as `mixserve bench --dataset`) in tokens of
+    `model`'s tokenizer (no weights are loaded). Output length = the request's max_tokens, which
+    bench generates in full (ignore_eos); arrival_s is kept when the trace has it."""
+    from transformers import AutoTokenizer
+
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.models.loader import convert_gguf
+    from mixserve.models.registry import resolve_model
+
+    r = resolve_model(model)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    reqs = load_dataset(trace, tok, num_prompts, seed=seed, output_len_cap=output_len_cap,
+                        max_prompt_len=max_prompt_len)
+    out = []
+    for br in reqs:
+        n = br.prompt_len if br.prompt_len >= 0 else len(tok.encode(br.prompt))
+        arrival = getattr(br, "arrival_s", None)
+        out.append(SimRequest(max(1, n), br.max_tokens, float(arrival or 0.0), br.tag))
+    return out
+
+
+def default_variants(spec: SpecSettings, group_size: int = 128) -> list[Variant]:
+    """Baseline (paged, bf16) and one variant per optimization."""
+    return [
+        Variant("baseline (paged, bf16)"),
+        Variant("contiguous, reserve max-model-len", allocator="contiguous", reserve="max-model-len"),
+        Variant("contiguous, reserve max-tokens", allocator="contiguous", reserve="max-tokens"),
+        Variant(f"speculative (alpha {spec.alpha:g}, k<={spec.k_max}, c {spec.draft_cost:g})", spec=spec),
+        Variant(f"AWQ w4 (g{group_size})", fmt=WeightFormat("int4", group_size)),
+    ]
+
+
+def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings,
+              spec: SpecSettings, log=print) -> tuple[dict, dict]:
+    """Everything `mixserve plan` reports. Returns (JSON-ready dict, {variant name: evaluation
+    with the SimResults under "_offline" / "_at_rate"} for plots)."""
+    from mixserve.plan.cost_model import summary
+
+    planner = Planner(cfg, sm, hw, reqs, ps)
+    evals = {}
+    for v in default_variants(spec):
+        log(f"simulating: {v.name}")
+        evals[v.name] = planner.evaluate(v)
+    names = list(evals)
+    base = evals[names[0]]
+
+    def gain(e, key):
+        b, x = key(base), key(e)
+        return x / b if b and b == b and x == x else float("nan")
+
+    thr = lambda e: e["offline"]["output_tokens_per_s"]  # noqa: E731
+    rate = lambda e: e.get("max_rate", {}).get("rate_per_s", float("nan"))  # noqa: E731
+    tpot1 = lambda e: 1.0 / e["single_stream_tpot_s"]  # noqa: E731
+    rows = []
+    for name, e in evals.items():
+        if name == names[0]:
+            continue
+        if e["allocator"] == "contiguous":  # what paging buys over this allocator
+            row = {"optimization": f"paging (vs {name})", "throughput_x": 1 / gain(e, thr),
+                   "max_rate_x": 1 / gain(e, rate) if gain(e, rate) else float("inf"),
+                   "single_stream_x": 1 / gain(e, tpot1)}
+        else:
+            row = {"optimization": name, "throughput_x": gain(e, thr), "max_rate_x": gain(e, rate),
+                   "single_stream_x": gain(e, tpot1)}
+        rows.append(row)
+    rows.sort(key=lambda r: (-(r["max_rate_x"] if r["max_rate_x"] == r["max_rate_x"] else 0), -r["throughput_x"]))
+    typ = typical_batches(base["_offline"], reqs, ps)
+    bind = {phase: binding(cfg, sm, hw, b) for phase, b in typ.items()}
+    kv_tok = kv_bytes_per_token(cfg)
+    at = base.get("_at_rate") or base["_offline"]
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    outs = sorted(r.output_tokens for r in reqs)
+    plan = {
+        "model": {"config": cfg.as_dict(), "cost": summary(cfg)},
+        "hardware": hw,
+        "settings": {**{k: v for k, v in vars(ps).items()}, "spec": vars(spec)},
+        "trace": {"num_requests": len(reqs), "prompt_tokens_p50": prompts[len(prompts) // 2],
+                  "output_tokens_p50": outs[len(outs) // 2], "prompt_tokens_max": prompts[-1],
+                  "output_tokens_max": outs[-1]},
+        "kv": {"bytes_per_token": kv_tok, "budget_bytes": kv_budget(cfg, sm, ps, BF16, hw),
+               "peak_blocks_offline": base["offline"]["extra"]["peak_kv_blocks"],
+               "peak_bytes_offline": base["offline"]["extra"]["peak_kv_blocks"] * ps.block_size * kv_tok,
+               "peak_bytes_at_max_rate": at.peak_kv_blocks * ps.block_size * kv_tok,
+               "all_requests_at_once_bytes": sum(r.prompt_tokens + r.output_tokens for r in reqs) * kv_tok},
+        "baseline": {"throughput_output_tokens_per_s": thr(base), "max_rate_per_s": rate(base),
+                     "max_rate_limit": base.get("max_rate", {}).get("limit"),
+                     "at_max_rate": {k: base.get("max_rate", {}).get("at_rate", {}).get(k)
+                                     for k in ("ttft_s", "tpot_s", "e2e_s", "output_tokens_per_s")},
+                     "offline": {k: base["offline"][k] for k in ("ttft_s", "tpot_s", "e2e_s", "duration_s")}},
+        "binding": bind,
+        "ranking": rows,
+        "variants": {n: {k: v for k, v in e.items() if not k.startswith("_")} for n, e in evals.items()},
+    }
+    return plan, evals

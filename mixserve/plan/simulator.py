@@ -1,0 +1,308 @@
+"""Discrete-event simulation of the engine over a trace, with step times from a StepModel.
+
+The policy is not re-implemented: the simulator drives the engine's own `Scheduler` and
+`BlockManager` (engine/scheduler.py, kv/block_manager.py) with token-id-free sequences, so
+continuous batching, the token budget, chunked prefill, FCFS admission, paged blocks and
+preemption by recompute are exactly the engine's. What the simulator replaces is the model: a
+step takes `step_time(StepBatch)` seconds of simulated time, and every sequence that reaches its
+last token gets one output token (greedy with ignore_eos, as `mixserve bench` runs), or, with
+speculative decoding, 1 + the accepted draft tokens drawn with per-position acceptance α.
+
+Events: requests arrive at `arrival_s` and join the waiting queue before the next step starts;
+a step's tokens exist at its end (engine/llm_engine.py stamps first_token / finish after the
+forward). When nothing is runnable the clock jumps to the next arrival.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mixserve.bench.metrics import RequestMetrics, build_report
+from mixserve.engine.scheduler import Scheduler
+from mixserve.kv.block_manager import BlockManager
+from mixserve.plan.step_time import StepBatch
+from mixserve.sampling_params import SamplingParams
+from mixserve.sequence import Sequence
+from mixserve.spec.controller import expected_tokens
+
+
+@dataclass
+class SimRequest:
+    """One trace request in tokens: prompt length, output length (generated in full), arrival
+    time in seconds from the start of the run, and its slice tag."""
+
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float = 0.0
+    tag: str = ""
+
+
+@dataclass
+class SpecSettings:
+    """Speculative decoding in the simulation (Leviathan et al. 2023).
+
+    alpha: per-token acceptance probability; k_max: most tokens proposed per row;
+    draft_cost: a draft step's time as a fraction of the target step over the same rows (c in the
+        paper's §3.4); mode: "fixed" (always k_max) or "auto" (the k with the most expected tokens
+        per second for this step, as spec/controller.py chooses).
+    """
+
+    alpha: float
+    k_max: int = 4
+    draft_cost: float = 0.0
+    mode: str = "auto"
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"spec_alpha: must be in [0, 1) (got {self.alpha})")
+        if self.k_max < 0 or self.draft_cost < 0:
+            raise ValueError("spec k and draft cost must be >= 0")
+        if self.mode not in ("fixed", "auto"):
+            raise ValueError(f"spec mode: fixed or auto (got {self.mode!r})")
+
+
+@dataclass
+class SimConfig:
+    """Engine settings being simulated (the EngineArgs of the same names).
+
+    num_blocks: KV blocks of `block_size` tokens. allocator: "paged" (the engine's) or
+    "contiguous" (a region of `reserve` tokens taken at admission: "max-model-len" or
+    "max-tokens" = prompt + max_tokens; no external fragmentation, a best case for it).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    allocator: str = "paged"
+    reserve: str = "max-model-len"
+    spec: SpecSettings | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
+        if self.allocator not in ("paged", "contiguous"):
+            raise ValueError(f"allocator: paged or contiguous (got {self.allocator!r})")
+        if self.reserve not in ("max-model-len", "max-tokens"):
+            raise ValueError(f"reserve: max-model-len or max-tokens (got {self.reserve!r})")
+
+
+class ReservingAllocator(BlockManager):
+    """Contiguous allocation as older engines do it: at admission a sequence takes a region of
+    its whole reservation; it never grows, and is returned when the sequence finishes or is
+    preempted. Counted in blocks of `block_size` like the paged cache; blocks are plain counters
+    here (the simulation never reads K/V)."""
+
+    def __init__(self, num_blocks: int, block_size: int, reserve_tokens: dict[int, int]):
+        super().__init__(num_blocks, block_size)
+        self.reserve_tokens = reserve_tokens
+
+    def num_blocks_needed(self, seq_id: int, start: int, end: int) -> int:
+        have = len(self.tables.get(seq_id, []))
+        want = max(self.blocks_for(end), self.blocks_for(self.reserve_tokens[seq_id]))
+        return max(0, want - have)
+
+    def append_slots(self, seq_id: int, start: int, end: int) -> list:
+        need = self.num_blocks_needed(seq_id, start, end)
+        super().append_slots(seq_id, 0, 0)  # creates the table; checks nothing is shared
+        table = self.tables[seq_id]
+        if need > len(self.free_blocks):
+            from mixserve.kv.block_manager import NoFreeBlocksError
+
+            raise NoFreeBlocksError(f"need {need} blocks, {len(self.free_blocks)} free")
+        for _ in range(need):
+            table.append(self._take())
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
+        return []
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """A reservation is kept whole until the sequence leaves (speculative rollback frees nothing)."""
+
+
+@dataclass
+class SimResult:
+    """Per request: `token_steps[i]` lists the step index (0-based) in which each output token
+    was produced; `metrics` the RequestMetrics (seconds of simulated time). `steps`:
+    (start_s, end_s, tokens, seqs) per step. `report`: bench/metrics.build_report of the run,
+    the same measures `mixserve bench` prints. rejected: indices of requests the engine's
+    check_request would refuse (never fit)."""
+
+    metrics: list[RequestMetrics | None]
+    token_steps: list[list[int]]
+    preemptions: list[int]
+    steps: list[tuple[float, float, int, int]]
+    peak_kv_blocks: int
+    peak_running_seqs: int
+    num_preemptions: int
+    duration_s: float
+    rejected: list[int] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+
+
+def _draw_accepted(rng: random.Random, alpha: float, k: int) -> int:
+    j = 0
+    while j < k and rng.random() < alpha:
+        j += 1
+    return j
+
+
+def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[StepBatch], float],
+             max_steps: int = 10**7) -> SimResult:
+    """Run `requests` through the engine's scheduler with simulated step times.
+
+    step_time: seconds for a step of the given shape (e.g. StepModel.step_time with a format
+    bound). Requests are admitted in arrival order (ties: trace order).
+    Raises RuntimeError when the waiting head can never be scheduled (cannot happen for requests
+    that pass the engine's check_request, which the simulator applies first).
+    """
+    reserve: dict[int, int] = {}
+    if cfg.allocator == "paged":
+        bm = BlockManager(cfg.num_blocks, cfg.block_size)
+    else:
+        bm = ReservingAllocator(cfg.num_blocks, cfg.block_size, reserve)
+    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+    rng = random.Random(cfg.seed)
+    n = len(requests)
+    metrics: list[RequestMetrics | None] = [None] * n
+    token_steps: list[list[int]] = [[] for _ in range(n)]
+    first: list[float | None] = [None] * n
+    rejected = []
+    order = sorted(range(n), key=lambda i: requests[i].arrival_s)
+    seqs: dict[int, tuple[int, Sequence]] = {}
+    pending = []
+    for i in order:
+        r = requests[i]
+        total = r.prompt_tokens + r.output_tokens
+        if (r.prompt_tokens < 1 or r.output_tokens < 1 or total > cfg.max_model_len
+                or bm.blocks_for(total) > cfg.num_blocks):
+            rejected.append(i)
+            continue
+        pending.append(i)
+    pending.reverse()  # pop() from the end = earliest arrival
+    now = 0.0
+    steps = []
+    peak_running = 0
+    for _ in range(max_steps):
+        while pending and requests[pending[-1]].arrival_s <= now:
+            i = pending.pop()
+            r = requests[i]
+            seq = Sequence(str(i), None, [0] * r.prompt_tokens, SamplingParams(max_tokens=r.output_tokens,
+                                                                              ignore_eos=True))
+            seq.arrival_time = r.arrival_s
+            seqs[seq.seq_id] = (i, seq)
+            reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
+                                   else r.prompt_tokens + r.output_tokens)
+            sched.add(seq)
+        if not sched.has_unfinished:
+            if not pending:
+                break
+            now = max(now, requests[pending[-1]].arrival_s)
+            continue
+        k = 0
+        if cfg.spec is not None:
+            k = _choose_k(cfg, sched, step_time)
+        out = sched.schedule(lookahead=k)
+        if not out.scheduled:
+            if not sched.running and pending:
+                now = max(now, requests[pending[-1]].arrival_s)
+                continue
+            raise RuntimeError("simulator: nothing can be scheduled (a request larger than the KV cache?)")
+        batch = StepBatch()
+        for s in out.scheduled:
+            q = s.num_new_tokens + s.lookahead
+            if q == 1:
+                batch.decode_contexts.append(s.end)
+            else:
+                batch.spans.append((q, s.end + s.lookahead))
+            if s.samples:
+                batch.sampled_rows += 1 + s.lookahead
+        dt = step_time(batch)
+        if k and cfg.spec.draft_cost:
+            dt += _draft_time(cfg.spec, out, step_time)
+        t0, now = now, now + dt
+        step = len(steps)
+        steps.append((t0, now, batch.num_tokens, batch.num_seqs))
+        # end and samples are read from num_computed_tokens: take them all before it moves
+        done_now = [(s, s.end, s.samples) for s in out.scheduled]
+        for s, end, samples in done_now:
+            seq = s.seq
+            i = seqs[seq.seq_id][0]
+            seq.num_computed_tokens = end
+            if not samples:
+                continue
+            emit = 1 + (_draw_accepted(rng, cfg.spec.alpha, s.lookahead) if s.lookahead else 0)
+            emit = min(emit, seq.params.max_tokens - seq.num_output_tokens)
+            for _ in range(emit):
+                seq.token_ids.append(0)
+                token_steps[i].append(step)
+            if first[i] is None:
+                first[i] = now
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= cfg.max_model_len:
+                sched.finish(seq)
+                metrics[i] = RequestMetrics(seq.arrival_time, first[i], now, seq.num_prompt_tokens,
+                                            seq.num_output_tokens)
+            elif s.lookahead:
+                # as the engine's _spec_step: the last kept token is recomputed next step, and the
+                # blocks past the kept tokens go back
+                seq.num_computed_tokens = seq.num_tokens - 1
+                bm.truncate(seq.seq_id, seq.num_tokens)
+        # after the step's finishes, as `mixserve bench` counts it
+        peak_running = max(peak_running, len(sched.running))
+    else:
+        raise RuntimeError(f"simulator: still running after {max_steps} steps")
+    done = [m for m in metrics if m is not None]
+    start = min((m.arrival_s for m in done), default=0.0)
+    duration = max((m.finish_s for m in done), default=0.0) - start
+    preempted = [0] * n
+    for i, seq in seqs.values():
+        preempted[i] = seq.num_preemptions
+    res = SimResult(metrics, token_steps, preempted, steps,
+                    bm.peak_used, peak_running, sched.num_preemptions, duration, sorted(rejected))
+    res.report = build_report(done, duration, {"peak_kv_blocks": bm.peak_used, "kv_blocks_total": cfg.num_blocks,
+                                               "peak_running_seqs": peak_running,
+                                               "preemptions": sched.num_preemptions, "engine_steps": len(steps),
+                                               "rejected": len(rejected)})
+    return res
+
+
+def _choose_k(cfg: SimConfig, sched: Scheduler, step_time) -> int:
+    """k for the coming step: k_max when fixed; when auto, the k maximizing expected emitted
+    tokens per second over the running decode rows (spec/controller.py's rule, with known costs)."""
+    sp = cfg.spec
+    decoding = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+    if not decoding or sp.k_max == 0:
+        return 0
+    if sp.mode == "fixed":
+        return sp.k_max
+    prefill = sum(s.num_uncomputed_tokens for s in sched.running) - len(decoding)
+    spans = [(min(prefill, cfg.max_num_batched_tokens), min(prefill, cfg.max_num_batched_tokens))] if prefill else []
+    best_k, best_rate = 0, -1.0
+    for k in range(sp.k_max + 1):
+        if k == 0:
+            b = StepBatch([s.num_tokens for s in decoding], list(spans), len(decoding))
+        else:
+            b = StepBatch([], [(k + 1, s.num_tokens + k) for s in decoding] + spans, len(decoding) * (k + 1))
+        cost = step_time(b) + k * sp.draft_cost * step_time(StepBatch([s.num_tokens for s in decoding], [],
+                                                                      len(decoding)))
+        rate = len(decoding) * expected_tokens(sp.alpha, k) / cost
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def _draft_time(sp: SpecSettings, out, step_time) -> float:
+    """k draft steps over the decode rows plus the draft's pass over this step's prefill chunks
+    (the engine runs prefill through the draft in the same step), at draft_cost times the
+    target's time for the same shapes."""
+    decode = [s for s in out.scheduled if s.lookahead]
+    prefill = [s for s in out.scheduled if not s.lookahead]
+    k = max((s.lookahead for s in decode), default=0)
+    t = k * step_time(StepBatch([s.end for s in decode], [], len(decode))) if decode else 0.0
+    spans = [(s.num_new_tokens, s.end) for s in prefill if s.num_new_tokens > 1]
+    if spans:
+        t += step_time(StepBatch([], spans, 0))
+    return sp.draft_cost * t

@@ -1,0 +1,234 @@
+"""Time of one engine step from its shape: linears by rows, attention by context, fixed overhead.
+
+An engine step (engine/llm_engine.py) runs every scheduled token through each layer's four
+matmuls as one flat batch of T rows, attends each decode row over its context and each prefill
+chunk (or speculative verification row) over its own, then the LM head over the N rows that
+sample, then sampling and bookkeeping. So
+
+    time = L * sum_linear t_lin(T) + t_head(N) + L * (t_dec(decode contexts) + sum t_pre(q, ctx))
+           + overhead(seqs, T)
+
+with L layers. `StepModel` subclasses give the terms: `MeasuredModel` from a `hw probe` profile
+(hardware.py), `RooflineModel` from datasheet peak FLOP/s and bandwidth.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from mixserve.models.config import ModelConfig
+from mixserve.plan.cost_model import BF16, WeightFormat, linear_shapes
+
+
+@dataclass
+class StepBatch:
+    """The shape of one engine step.
+
+    decode_contexts: per decode row (one new token), its context length in tokens, the new
+        token included.
+    spans: per multi-token row (a prefill chunk or a speculative verification row),
+        (query tokens, context tokens at its end).
+    sampled_rows: rows that go through the LM head (1 per sampling sequence, k + 1 per
+        verification row).
+    """
+
+    decode_contexts: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    sampled_rows: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_contexts) + sum(q for q, _ in self.spans)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode_contexts) + len(self.spans)
+
+
+class Table:
+    """Piecewise-linear y(x) through measured points (x ascending): flat below the first point,
+    proportional to x above the last (a matmul past the measured rows is compute-bound)."""
+
+    def __init__(self, xs: list[float], ys: list[float]):
+        if not xs or len(xs) != len(ys):
+            raise ValueError("table: needs as many y values as x values, at least one")
+        pts = sorted(zip(xs, ys))
+        self.xs = [float(x) for x, _ in pts]
+        self.ys = [float(y) for _, y in pts]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1] * x / xs[-1]
+        i = bisect.bisect_right(xs, x)
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return (1 - w) * ys[i - 1] + w * ys[i]
+
+
+class StepModel:
+    """Base: combines per-component times into a step time. Subclasses implement
+    linear_time, decode_attention_time, span_attention_time and overhead (seconds)."""
+
+    kind = "abstract"
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.shapes = linear_shapes(cfg)
+
+    def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
+        raise NotImplementedError
+
+    def decode_attention_time(self, contexts: list[int]) -> float:
+        """One layer, all decode rows of the step."""
+        raise NotImplementedError
+
+    def span_attention_time(self, q: int, ctx: int) -> float:
+        """One layer, one multi-token span of q queries ending at context ctx."""
+        raise NotImplementedError
+
+    def overhead(self, num_seqs: int, num_tokens: int) -> float:
+        raise NotImplementedError
+
+    def body_linear_time(self, rows: int, fmt: WeightFormat = BF16) -> float:
+        """All layers' matmuls for `rows` rows (LM head excluded), seconds."""
+        if rows <= 0:
+            return 0.0
+        return self.cfg.num_layers * sum(self.linear_time(s.name, rows, fmt) for s in self.shapes if s.per_layer)
+
+    def head_time(self, rows: int, fmt: WeightFormat = BF16) -> float:
+        return self.linear_time("lm_head", rows, fmt) if rows > 0 else 0.0
+
+    def step_time(self, b: StepBatch, fmt: WeightFormat = BF16) -> float:
+        """Seconds for one engine step of shape `b` with weights in `fmt`."""
+        if b.num_tokens == 0:
+            return 0.0
+        attn = self.decode_attention_time(b.decode_contexts) if b.decode_contexts else 0.0
+        attn += sum(self.span_attention_time(q, c) for q, c in b.spans)
+        return (self.body_linear_time(b.num_tokens, fmt) + self.head_time(b.sampled_rows, fmt)
+                + self.cfg.num_layers * attn + self.overhead(b.num_seqs, b.num_tokens))
+
+    def breakdown(self, b: StepBatch, fmt: WeightFormat = BF16) -> dict:
+        """step_time's terms, seconds: linear, lm_head, attention, overhead."""
+        attn = self.decode_attention_time(b.decode_contexts) if b.decode_contexts else 0.0
+        attn += sum(self.span_attention_time(q, c) for q, c in b.spans)
+        return {"linear": self.body_linear_time(b.num_tokens, fmt), "lm_head": self.head_time(b.sampled_rows, fmt),
+                "attention": self.cfg.num_layers * attn, "overhead": self.overhead(b.num_seqs, b.num_tokens)}
+
+
+def _span_score_elements(q: int, ctx: int) -> int:
+    """Query-key pairs a causal span of q queries ending at context ctx attends:
+    sum over its queries of their context = q * ctx - q * (q - 1) / 2."""
+    return q * ctx - q * (q - 1) // 2
+
+
+def _lin3(coef: list[float], a: float, b: float) -> float:
+    return coef[0] + coef[1] * a + coef[2] * b
+
+
+class MeasuredModel(StepModel):
+    """Step times interpolated from a measured `hw probe` profile (hardware.py).
+
+    Linears: the measured seconds per call by rows, per shape and format (Table). Attention and
+    overhead: the profile's least-squares fits, per layer:
+    decode t = a + b * rows + c * sum(contexts); span t = a + b * q + c * (query-key pairs);
+    overhead t = a + b * seqs + c * tokens.
+    """
+
+    kind = "measured"
+
+    def __init__(self, cfg: ModelConfig, profile: dict):
+        super().__init__(cfg)
+        self.profile = profile
+        self.tables = {fmt: {name: Table(t["rows"], t["seconds"]) for name, t in shapes.items()}
+                       for fmt, shapes in profile["linear"].items()}
+        att = profile["attention"]
+        self.dec = att["decode"]["fit"]
+        self.span = att["span"]["fit"]
+        self.ovh = profile["overhead"]["fit"]
+
+    def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
+        name = fmt.name if (shape_name != "lm_head" or fmt.lm_head_int4) else "bf16"
+        if name not in self.tables:
+            raise ValueError(f"format: the profile has no {name} measurements (measured: {sorted(self.tables)})")
+        return self.tables[name][shape_name](rows)
+
+    def decode_attention_time(self, contexts: list[int]) -> float:
+        return max(0.0, _lin3(self.dec, len(contexts), sum(contexts)))
+
+    def span_attention_time(self, q: int, ctx: int) -> float:
+        return max(0.0, _lin3(self.span, q, _span_score_elements(q, ctx)))
+
+    def overhead(self, num_seqs: int, num_tokens: int) -> float:
+        return max(0.0, _lin3(self.ovh, num_seqs, num_tokens))
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Datasheet figures (not measured here): dense bf16 tensor FLOP/s (no sparsity), memory
+    bandwidth in bytes/s, memory in bytes."""
+
+    name: str
+    bf16_flops: float
+    bandwidth: float
+    memory_bytes: float
+    source: str
+
+
+ACCELERATORS = {
+    "h100-sxm": Accelerator("NVIDIA H100 SXM5 80GB", 989e12, 3.35e12, 80e9,
+                            "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989.5 dense), "
+                            "HBM3 3.35 TB/s"),
+    "h200": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 4.8e12, 141e9,
+                        "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989.5 dense), "
+                        "HBM3e 4.8 TB/s, 141 GB"),
+    "a100-80gb": Accelerator("NVIDIA A100 SXM 80GB", 312e12, 2.039e12, 80e9,
+                             "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, HBM2e 2,039 GB/s"),
+    "l4": Accelerator("NVIDIA L4 24GB", 121e12, 300e9, 24e9,
+                      "NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity (121 dense), "
+                      "GDDR6 300 GB/s, 24 GB"),
+}
+
+
+class RooflineModel(StepModel):
+    """Roofline step time from datasheet figures: each matmul and each attention call takes
+    max(FLOPs / peak FLOP/s, bytes / bandwidth) (Williams et al., CACM 2009), summed; per-step
+    overhead is `overhead_s` (0 by default: a lower bound). Labelled "datasheet, not measured here".
+    int4 matmuls are taken to read int4 bytes and compute at the bf16 peak (dequantize in the
+    kernel, as AWQ's GEMM does).
+    """
+
+    kind = "datasheet"
+
+    def __init__(self, cfg: ModelConfig, acc: Accelerator, overhead_s: float = 0.0, kv_dtype_bytes: int = 2):
+        super().__init__(cfg)
+        self.acc = acc
+        self.overhead_s = overhead_s
+        self.kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes
+        self.head_flops = 4 * cfg.num_heads * cfg.head_dim  # per query-key pair, one layer
+        self._shape = {s.name: s for s in self.shapes}
+
+    def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
+        s = self._shape[shape_name]
+        quantized = s.per_layer or fmt.lm_head_int4
+        byts = fmt.linear_bytes(s.numel, s.in_features, quantized) + 2 * rows * (s.in_features + s.out_features)
+        return max(2 * rows * s.numel / self.acc.bf16_flops, byts / self.acc.bandwidth)
+
+    def decode_attention_time(self, contexts: list[int]) -> float:
+        n = sum(contexts)
+        return max(n * self.head_flops / self.acc.bf16_flops, n * self.kv_layer_token / self.acc.bandwidth)
+
+    def span_attention_time(self, q: int, ctx: int) -> float:
+        return max(_span_score_elements(q, ctx) * self.head_flops / self.acc.bf16_flops,
+                   ctx * self.kv_layer_token / self.acc.bandwidth)
+
+    def overhead(self, num_seqs: int, num_tokens: int) -> float:
+        return self.overhead_s
+
+    def bound(self, shape_name: str, rows: int, fmt: WeightFormat = BF16) -> str:
+        """"compute" or "bandwidth": the larger roofline term of one matmul at `rows` rows."""
+        s = self._shape[shape_name]
+        c = 2 * rows * s.numel / self.acc.bf16_flops
+        m = fmt.linear_bytes(s.numel, s.in_features, s.per_layer or fmt.lm_head_int4) / self.acc.bandwidth
+        return "compute" if c >= m else "bandwidth"

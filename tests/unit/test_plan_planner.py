@@ -1,0 +1,136 @@
+"""Step-time models, the profile format and the planner on small made-up inputs."""
+import json
+
+import numpy as np
+import pytest
+
+from mixserve.models.config import ModelConfig
+from mixserve.plan.cost_model import BF16, INT4, linear_shapes
+from mixserve.plan.hardware import fit_nonneg, load_step_model
+from mixserve.plan.planner import PlanSettings, Planner, Variant, binding, make_plan, parse_slo
+from mixserve.plan.report import format_table, write_report
+from mixserve.plan.simulator import SimRequest, SpecSettings
+from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch
+
+CFG = ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                  num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                  max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True)
+
+
+def fake_profile(cfg=CFG):
+    """Every linear 1 ms at 1-16 rows, growing to 4 ms at 64; int4 half of that at 1-16 rows.
+    Attention 10 us + 1 ns per context token per layer; overhead 2 ms + 0.1 ms per sequence."""
+    lin = {}
+    for fmt, f in (("bf16", 1.0), ("int4", 0.5)):
+        lin[fmt] = {s.name: {"rows": [1, 16, 64], "seconds": [1e-3 * f, 1e-3 * f, 4e-3],
+                             "out_features": s.out_features, "in_features": s.in_features}
+                    for s in linear_shapes(cfg)}
+    return {"kind": "measured", "model": "fake", "config": cfg.as_dict(), "linear": lin,
+            "bandwidth_bytes_per_s": 20e9,
+            "attention": {"decode": {"fit": [10e-6, 0.0, 1e-9]}, "span": {"fit": [10e-6, 0.0, 1e-9]}},
+            "overhead": {"fit": [2e-3, 1e-4, 0.0]}}
+
+
+def test_measured_step_time_by_hand():
+    sm = MeasuredModel(CFG, fake_profile())
+    # 4 decode rows at context 100: linears 24 layers * 4 shapes * 1 ms = 96 ms; LM head (4 rows)
+    # 1 ms; attention 24 * (10 us + 400 ns) = 249.6 us; overhead 2 ms + 4 * 0.1 ms = 2.4 ms
+    t = sm.step_time(StepBatch([100] * 4, [], 4), BF16)
+    assert t == pytest.approx(0.096 + 0.001 + 24 * 10.4e-6 + 0.0024)
+    # int4: body linears halve (48 ms); the LM head stays bf16 (1 ms)
+    t4 = sm.step_time(StepBatch([100] * 4, [], 4), INT4)
+    assert t4 == pytest.approx(0.048 + 0.001 + 24 * 10.4e-6 + 0.0024)
+    # 40 rows interpolate halfway between 16 (1 ms) and 64 (4 ms): 2.5 ms per linear
+    assert sm.linear_time("qkv", 40, BF16) == pytest.approx(2.5e-3)
+
+
+def test_roofline_decode_is_bandwidth_bound_prefill_compute_bound():
+    sm = RooflineModel(CFG, ACCELERATORS["h100-sxm"])
+    assert sm.bound("gate_up", 1) == "bandwidth"
+    assert sm.bound("gate_up", 4096) == "compute"
+    # one row of gate_up [9728 x 896]: 17,432,576 bytes / 3.35e12 B/s (+ activations) ~ 5.2 us
+    t = sm.linear_time("gate_up", 1, BF16)
+    assert t == pytest.approx((2 * 9728 * 896 + 2 * (896 + 9728)) / 3.35e12)
+
+
+def test_fit_nonneg_drops_negative_terms():
+    X = np.array([[1.0, 1], [1, 2], [1, 3]])
+    y = np.array([3.0, 2.0, 1.0])  # decreasing: the slope would be negative
+    c = fit_nonneg(X, y)
+    assert c[1] == 0.0 and c[0] == pytest.approx(2.0)
+
+
+def test_load_step_model(tmp_path):
+    sm, hw = load_step_model("h200", CFG)
+    assert hw["label"] == "datasheet, not measured here" and isinstance(sm, RooflineModel)
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(fake_profile()))
+    sm, hw = load_step_model(str(p), CFG)
+    assert isinstance(sm, MeasuredModel)
+    other = ModelConfig(**{**CFG.as_dict(), "num_layers": 2})
+    with pytest.raises(ValueError, match="hw probe"):
+        load_step_model(str(p), other)
+    with pytest.raises(ValueError, match="hardware"):
+        load_step_model("tpu-v9", CFG)
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_p99=2s, tpot_p50=150ms") == {"ttft_p99": 2.0, "tpot_p50": 0.15}
+    with pytest.raises(ValueError, match="slo"):
+        parse_slo("latency=3")
+
+
+def trace(n=40):
+    rng = np.random.default_rng(0)
+    return [SimRequest(int(rng.integers(20, 300)), int(rng.integers(10, 120))) for _ in range(n)]
+
+
+def test_max_rate_meets_slo_and_twice_it_does_not():
+    sm = MeasuredModel(CFG, fake_profile())
+    ps = PlanSettings(kv_bytes=64 << 20, slo=parse_slo("ttft_p99=3s,tpot_p99=300ms"), bisect_iters=8)
+    pl = Planner(CFG, sm, {"kind": "measured"}, trace(), ps)
+    v = Variant("base")
+    off = pl.run(v)
+    mr = pl.max_rate(v, off)
+    assert mr["limit"] == "slo" and 0 < mr["rate"] < off.report["requests_per_s"]
+    assert pl.meets_slo(pl.run(v, mr["rate"]))
+    assert not pl.meets_slo(pl.run(v, 2 * mr["rate"]))
+
+
+def test_lax_slo_is_capped_at_capacity():
+    # a short trace meets any lax SLO at any rate; the engine's offline rate caps it
+    sm = MeasuredModel(CFG, fake_profile())
+    pl = Planner(CFG, sm, {"kind": "measured"}, trace(10), PlanSettings(kv_bytes=64 << 20,
+                                                                        slo=parse_slo("ttft_p99=1000s")))
+    off = pl.run(Variant("base"))
+    mr = pl.max_rate(Variant("base"), off)
+    assert mr["limit"] == "capacity" and mr["rate"] == off.report["requests_per_s"]
+
+
+def test_plan_end_to_end(tmp_path):
+    sm = MeasuredModel(CFG, fake_profile())
+    ps = PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo=parse_slo("ttft_p99=3s,tpot_p99=300ms"),
+                      bisect_iters=5)
+    plan, evals = make_plan(CFG, sm, {"kind": "measured", "label": "measured here", "model": "fake",
+                                      "bandwidth_bytes_per_s": 20e9}, trace(), ps,
+                            SpecSettings(0.7, 3), log=lambda m: None)
+    by = {r["optimization"]: r for r in plan["ranking"]}
+    # 32 MiB = 2730 tokens: a max-model-len reservation of 2048 tokens fits one sequence at a time
+    paging = by["paging (vs contiguous, reserve max-model-len)"]
+    assert paging["throughput_x"] > 2
+    assert plan["variants"]["contiguous, reserve max-model-len"]["offline"]["extra"]["peak_running_seqs"] == 1
+    # int4 linears are twice as fast at <= 16 rows: a lone stream speeds up
+    awq = next(r for r in plan["ranking"] if r["optimization"].startswith("AWQ"))
+    assert awq["single_stream_x"] > 1.5
+    assert plan["binding"]["decode"]["bound"] in ("compute", "bandwidth", "overhead")
+    assert "max rate" in format_table(plan)
+    paths = write_report(plan, evals, tmp_path / "r")
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    assert json.loads((tmp_path / "r" / "plan.json").read_text())["ranking"]
+
+
+def test_binding_roofline():
+    sm = RooflineModel(CFG, ACCELERATORS["a100-80gb"])
+    d = binding(CFG, sm, {}, StepBatch([512], [], 1))
+    p = binding(CFG, sm, {}, StepBatch([], [(2048, 2048)], 1))
+    assert d["bound"] == "bandwidth" and p["bound"] == "compute"
