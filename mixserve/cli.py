@@ -1,4 +1,4 @@
-"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl`."""
+"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl | mix`."""
 from __future__ import annotations
 
 import argparse
@@ -96,11 +96,10 @@ def cmd_bench_online(a) -> int:
     import os
 
     import httpx
-    from transformers import AutoTokenizer
 
     from mixserve.bench.datasets import load_dataset
     from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.loader import load_tokenizer
     from mixserve.models.registry import resolve_model
 
     rate = float(a.request_rate)
@@ -128,9 +127,7 @@ def cmd_bench_online(a) -> int:
             spec = served
         except (FileNotFoundError, ValueError):
             print(f"note: the server serves {served!r}; counting tokens with --model {a.model!r}")
-    r = resolve_model(spec)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(spec)
     reqs = load_dataset(a.dataset, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
     results, duration = asyncio.run(run_online_async(
@@ -274,6 +271,47 @@ def cmd_eval_ppl(a) -> int:
     return rc
 
 
+def cmd_mix_describe(a) -> int:
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.bench.trace import describe_requests, format_description, plot_histograms
+    from mixserve.models.loader import load_tokenizer
+
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1 (got {a.num_prompts})")
+    tok = load_tokenizer(a.model)
+    num = a.num_prompts if a.num_prompts is not None or a.trace.endswith(".jsonl") else (
+        1000 if a.trace == "sharegpt" else None)
+    reqs = load_dataset(a.trace, tok, num, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    d = describe_requests(reqs)
+    print(format_description(d, a.trace))
+    if a.png:
+        print(f"wrote {plot_histograms(reqs, a.png, title=Path(a.trace).name)}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(d, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_mix_sample(a) -> int:
+    from mixserve.bench.trace import add_arrivals, sample_requests, write_trace
+
+    if a.request_rate is not None and not a.request_rate > 0:
+        raise ValueError(f"request_rate: must be > 0 requests/s (got {a.request_rate})")
+    tok = None
+    if a.source == "sharegpt":
+        from mixserve.models.loader import load_tokenizer
+
+        tok = load_tokenizer(a.model)
+    lines = sample_requests(a.source, a.num, seed=a.seed, tokenizer=tok, output_len_cap=a.output_len_cap,
+                            max_prompt_len=a.max_prompt_len)
+    if a.request_rate is not None:
+        add_arrivals(lines, a.request_rate, seed=a.seed)
+    print(f"wrote {len(lines)} requests to {write_trace(lines, a.out)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -356,6 +394,32 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default=None, help="an earlier eval-ppl JSON: report the paired increase over it")
     p.add_argument("--output", default=None)
     p.set_defaults(fn=cmd_eval_ppl)
+
+    p = sub.add_parser("mix", help="traffic mixes: describe a trace or data set, sample a trace")
+    mix = p.add_subparsers(dest="mix_cmd", required=True)
+    q = mix.add_parser("describe", help="count, token-length percentiles and bands, histograms")
+    q.add_argument("trace", help="FILE.jsonl | sharegpt | humaneval")
+    q.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="whose tokenizer counts tokens")
+    q.add_argument("--num-prompts", type=int, default=None,
+                   help="first N requests (default: a whole trace, 1000 ShareGPT requests, all of HumanEval)")
+    q.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
+    q.add_argument("--output-len-cap", type=int, default=256, help="as in bench: cap on max_tokens from a data set")
+    q.add_argument("--max-prompt-len", type=int, default=1024, help="as in bench: skip longer ShareGPT prompts")
+    q.add_argument("--png", default=None, help="write prompt/output length histograms to this PNG")
+    q.add_argument("--json", default=None, help="write the summary as JSON")
+    q.set_defaults(fn=cmd_mix_describe)
+    q = mix.add_parser("sample", help="write a JSONL trace from a data set or a synthetic mix, seeded")
+    q.add_argument("--source", required=True, choices=["sharegpt", "humaneval", "synthetic-long-prompt"],
+                   help="synthetic-long-prompt: 1500-3000 prompt tokens, 16-64 output tokens")
+    q.add_argument("--num", type=int, default=200)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--request-rate", type=float, default=None,
+                   help="add Poisson arrival times (arrival_s) at this many requests/s (default: none)")
+    q.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="whose tokenizer filters ShareGPT")
+    q.add_argument("--output-len-cap", type=int, default=256)
+    q.add_argument("--max-prompt-len", type=int, default=1024)
+    q.add_argument("--out", required=True, help="trace path (.jsonl)")
+    q.set_defaults(fn=cmd_mix_sample)
 
     a = ap.parse_args(argv)
     try:
