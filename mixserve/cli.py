@@ -32,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rtn: round linears to int4 at load; awq: require an AWQ checkpoint (from `quantize`). "
                         "AWQ checkpoints are detected without this flag")
     p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="group size for rtn")
+    p.add_argument("--kv-allocator", default=d.kv_allocator, choices=["paged", "contiguous"],
+                   help="paged: KV blocks on demand (PagedAttention); contiguous: the older baseline, one "
+                        "region per sequence reserved at admission (default %(default)s)")
+    p.add_argument("--reserve", default=d.reserve, choices=["max-model-len", "max-tokens"],
+                   help="contiguous region size: max-model-len tokens, or prompt + max_tokens (default %(default)s)")
     p.add_argument("--quant-lm-head", action="store_true",
                    help="also round the LM head to int4 at load (int4 models; it stays in the compute dtype "
                         "by default)")
@@ -146,7 +151,41 @@ def cmd_bench_online(a) -> int:
     return 0 if not report["failed"] else 1
 
 
+def cmd_bench_compare_allocators(a) -> int:
+    """`bench --compare-allocators`: paged vs contiguous (two reservations) on the same requests and
+    KV budget, one process; prints a table and writes the JSON."""
+    from mixserve.bench.allocators import compare_allocators, format_comparison
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.engine.llm_engine import load_model, parse_dtype
+
+    if a.url or a.draft_model not in (None, "ngram"):
+        raise ValueError("compare_allocators: runs the engine in this process, without --url or a draft model")
+    args = engine_args(a)
+    args.validate()
+    loaded = load_model(args.model, parse_dtype(args.dtype), args.max_model_len, args.progress, args.quantization,
+                        args.quant_group_size, args.quant_lm_head)
+    reqs = load_dataset(a.dataset, loaded[2], a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    result = compare_allocators(args, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos, loaded=loaded)
+    print(f"{len(reqs)} requests from {a.dataset}; KV budget {a.kv_cache_memory} = {result['num_blocks']} blocks "
+          f"of {a.block_size} tokens; max_model_len {a.max_model_len or 'model'}; max_num_seqs {a.max_num_seqs}")
+    print(format_comparison(result))
+    result["config"] = {"model": a.model, "dataset": a.dataset, "num_prompts": len(reqs), "seed": a.seed,
+                        "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
+                        "temperature": a.temperature, "block_size": a.block_size,
+                        "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
+                        "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len}
+    result["machine"] = machine_info()
+    out = Path(a.output or f"results/allocators-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench(a) -> int:
+    if a.compare_allocators:
+        return cmd_bench_compare_allocators(a)
     if a.url:
         return cmd_bench_online(a)
     from mixserve.bench.datasets import load_dataset
@@ -164,7 +203,8 @@ def cmd_bench(a) -> int:
                         "temperature": a.temperature, "block_size": a.block_size,
                         "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
                         "max_num_batched_tokens": a.max_num_batched_tokens, "draft_model": a.draft_model,
-                        "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation}
+                        "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation,
+                        "kv_allocator": a.kv_allocator, "reserve": a.reserve}
     report["machine"] = machine_info()
     print(format_table(report))
     ex = report["extra"]
@@ -343,6 +383,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS instead of generating max_tokens")
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
+    p.add_argument("--compare-allocators", action="store_true",
+                   help="run the requests three times under the same --kv-cache-memory: paged, contiguous with "
+                        "max-model-len and with max-tokens reservation; print peak sequences, throughput, KV waste")
     p.add_argument("--url", default=None,
                    help="online: benchmark a running `mixserve serve` at this URL through its streaming API "
                         "(--model then only names the tokenizer for the dataset)")
