@@ -1,4 +1,4 @@
-"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl | hw probe | plan`."""
+"""Command line: `mixserve pull | generate | bench | serve | quantize | eval-ppl | mix | hw probe | plan`."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rtn: round linears to int4 at load; awq: require an AWQ checkpoint (from `quantize`). "
                         "AWQ checkpoints are detected without this flag")
     p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="group size for rtn")
+    p.add_argument("--kv-allocator", default=d.kv_allocator, choices=["paged", "contiguous"],
+                   help="paged: KV blocks on demand (PagedAttention); contiguous: the older baseline, one "
+                        "region per sequence reserved at admission (default %(default)s)")
+    p.add_argument("--reserve", default=d.reserve, choices=["max-model-len", "max-tokens"],
+                   help="contiguous region size: max-model-len tokens, or prompt + max_tokens (default %(default)s)")
     p.add_argument("--quant-lm-head", action="store_true",
                    help="also round the LM head to int4 at load (int4 models; it stays in the compute dtype "
                         "by default)")
@@ -96,11 +101,10 @@ def cmd_bench_online(a) -> int:
     import os
 
     import httpx
-    from transformers import AutoTokenizer
 
     from mixserve.bench.datasets import load_dataset
     from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.loader import load_tokenizer
     from mixserve.models.registry import resolve_model
 
     rate = float(a.request_rate)
@@ -128,9 +132,7 @@ def cmd_bench_online(a) -> int:
             spec = served
         except (FileNotFoundError, ValueError):
             print(f"note: the server serves {served!r}; counting tokens with --model {a.model!r}")
-    r = resolve_model(spec)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(spec)
     reqs = load_dataset(a.dataset, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
     results, duration = asyncio.run(run_online_async(
@@ -149,7 +151,41 @@ def cmd_bench_online(a) -> int:
     return 0 if not report["failed"] else 1
 
 
+def cmd_bench_compare_allocators(a) -> int:
+    """`bench --compare-allocators`: paged vs contiguous (two reservations) on the same requests and
+    KV budget, one process; prints a table and writes the JSON."""
+    from mixserve.bench.allocators import compare_allocators, format_comparison
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.engine.llm_engine import load_model, parse_dtype
+
+    if a.url or a.draft_model not in (None, "ngram"):
+        raise ValueError("compare_allocators: runs the engine in this process, without --url or a draft model")
+    args = engine_args(a)
+    args.validate()
+    loaded = load_model(args.model, parse_dtype(args.dtype), args.max_model_len, args.progress, args.quantization,
+                        args.quant_group_size, args.quant_lm_head)
+    reqs = load_dataset(a.dataset, loaded[2], a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    result = compare_allocators(args, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos, loaded=loaded)
+    print(f"{len(reqs)} requests from {a.dataset}; KV budget {a.kv_cache_memory} = {result['num_blocks']} blocks "
+          f"of {a.block_size} tokens; max_model_len {a.max_model_len or 'model'}; max_num_seqs {a.max_num_seqs}")
+    print(format_comparison(result))
+    result["config"] = {"model": a.model, "dataset": a.dataset, "num_prompts": len(reqs), "seed": a.seed,
+                        "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
+                        "temperature": a.temperature, "block_size": a.block_size,
+                        "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
+                        "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len}
+    result["machine"] = machine_info()
+    out = Path(a.output or f"results/allocators-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench(a) -> int:
+    if a.compare_allocators:
+        return cmd_bench_compare_allocators(a)
     if a.url:
         return cmd_bench_online(a)
     from mixserve.bench.datasets import load_dataset
@@ -167,7 +203,8 @@ def cmd_bench(a) -> int:
                         "temperature": a.temperature, "block_size": a.block_size,
                         "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
                         "max_num_batched_tokens": a.max_num_batched_tokens, "draft_model": a.draft_model,
-                        "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation}
+                        "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation,
+                        "kv_allocator": a.kv_allocator, "reserve": a.reserve}
     report["machine"] = machine_info()
     print(format_table(report))
     ex = report["extra"]
@@ -331,6 +368,47 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_mix_describe(a) -> int:
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.bench.trace import describe_requests, format_description, plot_histograms
+    from mixserve.models.loader import load_tokenizer
+
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1 (got {a.num_prompts})")
+    tok = load_tokenizer(a.model)
+    num = a.num_prompts if a.num_prompts is not None or a.trace.endswith(".jsonl") else (
+        1000 if a.trace == "sharegpt" else None)
+    reqs = load_dataset(a.trace, tok, num, seed=a.seed, output_len_cap=a.output_len_cap,
+                        max_prompt_len=a.max_prompt_len)
+    d = describe_requests(reqs)
+    print(format_description(d, a.trace))
+    if a.png:
+        print(f"wrote {plot_histograms(reqs, a.png, title=Path(a.trace).name)}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(d, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def cmd_mix_sample(a) -> int:
+    from mixserve.bench.trace import add_arrivals, sample_requests, write_trace
+
+    if a.request_rate is not None and not a.request_rate > 0:
+        raise ValueError(f"request_rate: must be > 0 requests/s (got {a.request_rate})")
+    tok = None
+    if a.source == "sharegpt":
+        from mixserve.models.loader import load_tokenizer
+
+        tok = load_tokenizer(a.model)
+    lines = sample_requests(a.source, a.num, seed=a.seed, tokenizer=tok, output_len_cap=a.output_len_cap,
+                            max_prompt_len=a.max_prompt_len)
+    if a.request_rate is not None:
+        add_arrivals(lines, a.request_rate, seed=a.seed)
+    print(f"wrote {len(lines)} requests to {write_trace(lines, a.out)}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -362,6 +440,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS instead of generating max_tokens")
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
+    p.add_argument("--compare-allocators", action="store_true",
+                   help="run the requests three times under the same --kv-cache-memory: paged, contiguous with "
+                        "max-model-len and with max-tokens reservation; print peak sequences, throughput, KV waste")
     p.add_argument("--url", default=None,
                    help="online: benchmark a running `mixserve serve` at this URL through its streaming API "
                         "(--model then only names the tokenizer for the dataset)")
@@ -453,6 +534,32 @@ def main(argv=None) -> int:
     p.add_argument("--bisect-iters", type=int, default=10, help="bisection steps for the max rate")
     p.add_argument("--measure", action="store_true", help="measure alpha on a sample (not implemented yet)")
     p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("mix", help="traffic mixes: describe a trace or data set, sample a trace")
+    mix = p.add_subparsers(dest="mix_cmd", required=True)
+    q = mix.add_parser("describe", help="count, token-length percentiles and bands, histograms")
+    q.add_argument("trace", help="FILE.jsonl | sharegpt | humaneval")
+    q.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="whose tokenizer counts tokens")
+    q.add_argument("--num-prompts", type=int, default=None,
+                   help="first N requests (default: a whole trace, 1000 ShareGPT requests, all of HumanEval)")
+    q.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
+    q.add_argument("--output-len-cap", type=int, default=256, help="as in bench: cap on max_tokens from a data set")
+    q.add_argument("--max-prompt-len", type=int, default=1024, help="as in bench: skip longer ShareGPT prompts")
+    q.add_argument("--png", default=None, help="write prompt/output length histograms to this PNG")
+    q.add_argument("--json", default=None, help="write the summary as JSON")
+    q.set_defaults(fn=cmd_mix_describe)
+    q = mix.add_parser("sample", help="write a JSONL trace from a data set or a synthetic mix, seeded")
+    q.add_argument("--source", required=True, choices=["sharegpt", "humaneval", "synthetic-long-prompt"],
+                   help="synthetic-long-prompt: 1500-3000 prompt tokens, 16-64 output tokens")
+    q.add_argument("--num", type=int, default=200)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--request-rate", type=float, default=None,
+                   help="add Poisson arrival times (arrival_s) at this many requests/s (default: none)")
+    q.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="whose tokenizer filters ShareGPT")
+    q.add_argument("--output-len-cap", type=int, default=256)
+    q.add_argument("--max-prompt-len", type=int, default=1024)
+    q.add_argument("--out", required=True, help="trace path (.jsonl)")
+    q.set_defaults(fn=cmd_mix_sample)
 
     a = ap.parse_args(argv)
     try:

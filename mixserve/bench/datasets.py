@@ -20,6 +20,7 @@ import gzip
 import importlib
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -44,6 +45,7 @@ __all__ = [
     "load_jsonl",
     "load_dataset",
     "count_tokens",
+    "synthetic_prompt",
     "bench_cache_dir",
 ]
 
@@ -60,6 +62,8 @@ class BenchRequest:
         the trace's own tag), so reports can be split by traffic class.
     ref_output_len: length in tokens of the reference answer (ShareGPT reply,
         HumanEval canonical solution, trace ``output_tokens``), if known.
+    arrival_s: arrival time in seconds from the start of the trace (trace
+        ``arrival_s``), or None when the request has no arrival time of its own.
     """
 
     prompt: str
@@ -67,6 +71,7 @@ class BenchRequest:
     prompt_len: int
     tag: str
     ref_output_len: int | None = None
+    arrival_s: float | None = None
 
 
 # --------------------------------------------------------------------------
@@ -80,6 +85,58 @@ def count_tokens(tokenizer: Any, text: str) -> int:
     if encode is not None:
         return len(encode(text, add_special_tokens=False))
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# Plain lowercase English words: in the byte-level BPE tokenizers of the built-in
+# models (and SentencePiece ones) each is one token after a space, so a prompt of
+# n words is about n tokens before the exact fit below.
+_WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people my "
+    "over know water than call first who may down side been now find any new work part take get "
+    "place made live where after back little only round man year came show every good me give "
+    "our under name very through just form sentence great think say help low line differ turn "
+    "cause much mean before move right boy old too same tell does set three want air well also "
+    "play small end put home read hand port large spell add even land here must big high such "
+    "follow act why ask men change went light kind off need house picture try us again animal "
+    "point mother world near build self earth father head stand own page should country found"
+).split()
+
+
+def synthetic_prompt(tokenizer: Any, num_tokens: int, seed: int = 0) -> str:
+    """Text of exactly ``num_tokens`` tokens (counted as :func:`count_tokens`
+    does, without special tokens) for a trace line that gives only a length.
+
+    Seeded words from a fixed list of common English words, so the same
+    (tokenizer, num_tokens, seed) always gives the same text. Words that are
+    not a single token in this tokenizer are left out, then the word count is
+    corrected until the token count is exact.
+
+    Raises:
+        ValueError: ``num_tokens`` < 1, or the tokenizer never gives exactly
+            ``num_tokens`` tokens for any prefix of the words.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    words = [w for w in _WORDS if count_tokens(tokenizer, w) == 1 and count_tokens(tokenizer, "a " + w) == 2]
+    if not words:
+        raise ValueError("synthetic prompt: no single-token word in this tokenizer")
+    rng = random.Random(seed)
+    pool: list[str] = []
+    k = num_tokens
+    tried = set()
+    while k not in tried:
+        tried.add(k)
+        while len(pool) < k:
+            pool.append(rng.choice(words))
+        text = " ".join(pool[:k])
+        n = count_tokens(tokenizer, text)
+        if n == num_tokens:
+            return text
+        k = max(1, k + num_tokens - n)
+    raise ValueError(f"synthetic prompt: no text of exactly {num_tokens} tokens found with this tokenizer")
 
 
 # --------------------------------------------------------------------------
@@ -507,12 +564,21 @@ def load_jsonl(
 ) -> list[BenchRequest]:
     """Requests from a trace file: one JSON object per line.
 
-    Fields: ``prompt`` (text, required); ``max_tokens`` (generation budget)
-    and/or ``output_tokens`` (observed output length, also used as the budget
-    when ``max_tokens`` is absent, and kept as ``ref_output_len``); optional
-    ``tag`` (default "jsonl"). Lines with neither length get
-    ``default_max_tokens``. Blank lines are skipped. Any bad line raises
-    ValueError naming ``path:line``. ``prompt_len`` is -1 without a tokenizer.
+    Fields:
+
+    - ``prompt`` (text) or ``prompt_tokens`` (a length in tokens), exactly one.
+      A length becomes a :func:`synthetic_prompt` of exactly that many tokens
+      of ``tokenizer`` (seeded by the line number, so the same file gives the
+      same prompts); this needs a tokenizer.
+    - ``max_tokens`` (generation budget) and/or ``output_tokens`` (observed
+      output length, also the budget when ``max_tokens`` is absent, and kept
+      as ``ref_output_len``). Lines with neither get ``default_max_tokens``.
+    - ``arrival_s``: optional, seconds (>= 0) from the start of the trace.
+    - ``tag``: optional slice name (default "jsonl").
+
+    Blank lines are skipped. Any bad line raises ValueError naming
+    ``path:line`` and the field. ``prompt_len`` is -1 when a text prompt is
+    read without a tokenizer.
     """
     out = []
     with open(path, encoding="utf-8") as f:
@@ -527,8 +593,20 @@ def load_jsonl(
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             prompt = obj.get("prompt")
-            if not isinstance(prompt, str):
-                raise ValueError(f"{where}: 'prompt' must be a string, got {prompt!r:.60}")
+            if obj.get("prompt_tokens") is not None:
+                if prompt is not None:
+                    raise ValueError(f"{where}: give 'prompt' or 'prompt_tokens', not both")
+                plen = _positive_int(obj["prompt_tokens"], "'prompt_tokens'", where)
+                if tokenizer is None:
+                    raise ValueError(f"{where}: 'prompt_tokens' needs a tokenizer to make a prompt of that length")
+                try:
+                    prompt = synthetic_prompt(tokenizer, plen, seed=lineno)
+                except ValueError as e:
+                    raise ValueError(f"{where}: 'prompt_tokens': {e}") from None
+            elif isinstance(prompt, str):
+                plen = count_tokens(tokenizer, prompt) if tokenizer is not None else -1
+            else:
+                raise ValueError(f"{where}: 'prompt' must be a string (or give 'prompt_tokens'), got {prompt!r:.60}")
             ref = None
             if obj.get("output_tokens") is not None:
                 ref = _positive_int(obj["output_tokens"], "'output_tokens'", where)
@@ -541,8 +619,13 @@ def load_jsonl(
             tag = obj.get("tag", "jsonl")
             if not isinstance(tag, str):
                 raise ValueError(f"{where}: 'tag' must be a string, got {tag!r}")
-            plen = count_tokens(tokenizer, prompt) if tokenizer is not None else -1
-            out.append(BenchRequest(prompt, max_tokens, plen, tag, ref))
+            arrival = obj.get("arrival_s")
+            if arrival is not None:
+                if (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+                        or not math.isfinite(arrival) or arrival < 0):
+                    raise ValueError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got {arrival!r}")
+                arrival = float(arrival)
+            out.append(BenchRequest(prompt, max_tokens, plen, tag, ref, arrival))
     return out
 
 

@@ -8,6 +8,7 @@ from tqdm import tqdm
 from mixserve.bench.datasets import BenchRequest
 from mixserve.bench.metrics import RequestMetrics, build_report
 from mixserve.engine.llm_engine import LLMEngine
+from mixserve.kv.usage import kv_usage
 from mixserve.sampling_params import SamplingParams
 
 
@@ -18,6 +19,12 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     Output lengths follow each request's max_tokens (ignore_eos=True, as vLLM's throughput
     benchmark does), so runs compare the same work. Returns (report dict, RequestOutputs in
     request order). Report times are seconds; throughputs tokens/s.
+
+    KV waste (see kv/usage.py) is sampled after every step: `kv_waste_pct_time_avg` is the share
+    of reserved slot-seconds that held no K/V, sum(step s * (reserved - written)) /
+    sum(step s * reserved) with each sample weighted by the wall time of the step before it;
+    `kv_waste_pct_at_peak` is the waste after the first step that reached `peak_running_seqs`.
+    Engine counters (preemptions, steps, peak blocks) count this run only.
     """
     ids = []
     for i, r in enumerate(requests):
@@ -29,10 +36,21 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         engine.requests[rid].arrival_time = t0
     finals = {}
     bar = tqdm(total=len(ids), desc="bench", unit="req", disable=not progress)
-    peak_running = 0
+    bm, sched = engine.block_manager, engine.scheduler
+    bm.peak_used = bm.num_used_blocks
+    preemptions0, steps0 = sched.num_preemptions, engine.num_steps
+    peak_running, waste_at_peak = 0, 0.0
+    wasted_s = reserved_s = 0.0  # slot-seconds
+    t_prev = t0
     while engine.has_unfinished():
         outs = engine.step()
-        peak_running = max(peak_running, len(engine.scheduler.running))
+        now = time.perf_counter()
+        use = kv_usage(bm, sched.running)
+        wasted_s += (now - t_prev) * (use.reserved_slots - use.written_slots)
+        reserved_s += (now - t_prev) * use.reserved_slots
+        t_prev = now
+        if len(sched.running) > peak_running:
+            peak_running, waste_at_peak = len(sched.running), use.waste
         for o in outs:
             if o.finished:
                 finals[o.request_id] = o
@@ -47,8 +65,10 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         "kv_blocks_total": engine.num_blocks,
         "block_size": engine.args.block_size,
         "peak_running_seqs": peak_running,
-        "preemptions": engine.scheduler.num_preemptions,
-        "engine_steps": engine.num_steps,
+        "kv_waste_pct_time_avg": 100 * wasted_s / reserved_s if reserved_s else 0.0,
+        "kv_waste_pct_at_peak": 100 * waste_at_peak,
+        "preemptions": sched.num_preemptions - preemptions0,
+        "engine_steps": engine.num_steps - steps0,
     }
     if engine.proposer is not None:
         m = [o.metrics for o in outs]

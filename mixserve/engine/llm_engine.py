@@ -15,6 +15,7 @@ from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, probs_from_logits, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
+from mixserve.kv.contiguous import RESERVE_MODES, ContiguousBlockManager
 from mixserve.models.config import ModelConfig
 from mixserve.quant.loading import QuantSpec
 from mixserve.sampling_params import SamplingParams
@@ -73,6 +74,10 @@ class EngineArgs:
         int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
     quant_lm_head: also round the LM head to int4 at load (rtn, group quant_group_size) in an int4
         model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
+    kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before
+        it: one region per sequence reserved at admission, see kv/contiguous.py).
+    reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
+        (prompt + max_tokens). Ignored by the paged allocator.
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -90,7 +95,8 @@ class EngineArgs:
     quantization: str | None = None
     quant_group_size: int = 128
     quant_lm_head: bool = False
-
+    kv_allocator: str = "paged"
+    reserve: str = "max-model-len"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -110,6 +116,13 @@ class EngineArgs:
             raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
         if self.quant_lm_head and self.quantization is None and not _is_awq_folder(self.model):
             raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
+        if self.kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocator: must be paged or contiguous (got {self.kv_allocator!r})")
+        if self.reserve not in RESERVE_MODES:
+            raise ValueError(f"reserve: must be {' or '.join(RESERVE_MODES)} (got {self.reserve!r})")
+        if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
+            raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
+                             "use --kv-allocator paged or --draft-model ngram")
         parse_bytes(self.kv_cache_memory)
 
 
@@ -255,7 +268,11 @@ class LLMEngine:
         self.num_blocks = kv_bytes // self.block_bytes
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {args.kv_cache_memory!r} holds no block of {self.block_bytes} bytes")
-        self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
+        if args.kv_allocator == "contiguous":
+            self.block_manager = ContiguousBlockManager(self.num_blocks, args.block_size, args.reserve,
+                                                        self.max_model_len)
+        else:
+            self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
         self.sampler = Sampler()
@@ -286,6 +303,8 @@ class LLMEngine:
     def describe(self) -> str:
         text = (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
                 f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB, {self.dtype})")
+        if self.args.kv_allocator == "contiguous":
+            text += f"; contiguous allocation, a region of {self.args.reserve} tokens per sequence"
         if self.draft_cfg is not None:
             d = self.draft_cfg.kv_bytes_per_token(1) / (self.cfg.kv_bytes_per_token(1) + self.draft_cfg.kv_bytes_per_token(1))
             text += f"; {d:.0%} of it is the draft model's cache"
@@ -334,8 +353,8 @@ class LLMEngine:
         n > 1): this one waits until that one's prefill is done, then shares its prompt's KV
         blocks (reference counts; the last, partial block is copied on write) and recomputes only
         the last prompt token to sample its own first token. Ignored (a full prefill) when that
-        request is unknown, already past its prefill, has another prompt, or a draft model is on
-        (the draft's cache is not shared)."""
+        request is unknown, already past its prefill, has another prompt, a draft model is on
+        (the draft's cache is not shared), or the allocator is contiguous (regions are not shared)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -363,6 +382,7 @@ class LLMEngine:
         self.requests[request_id] = seq
         lead = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if (lead is not None and lead is not seq and self.proposer is None and lead.prompt_token_ids == ids
+                and self.args.kv_allocator == "paged"
                 and lead.num_computed_tokens < len(ids) and not lead.is_finished):
             self._followers.setdefault(lead.seq_id, []).append(seq)
         else:

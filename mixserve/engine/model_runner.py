@@ -128,7 +128,8 @@ class ModelRunner:
 
     def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int) -> None:
         bs = self.block_size
-        tables = [self.bm.block_table(it.seq_id) for it in decode[start:end]]
+        # only the blocks that hold context: a table may reach further (a contiguous region)
+        tables = [self.bm.block_table(it.seq_id)[:it.start // bs + 1] for it in decode[start:end]]
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         ctx = torch.tensor([it.start + 1 for it in decode[start:end]])

@@ -71,6 +71,7 @@ class Scheduler:
         self.on_free: list = []  # callbacks(seq) when a sequence's blocks are freed (draft caches)
 
     def add(self, seq: Sequence) -> None:
+        self.bm.reserve_for(seq.seq_id, seq.num_prompt_tokens + seq.params.max_tokens)
         self.waiting.append(seq)
 
     @property

@@ -71,6 +71,11 @@ class BlockManager:
         return self.num_blocks_needed(seq_id, start, end) <= len(self.free_blocks)
 
     # -- mutations -------------------------------------------------------------------------------
+    def reserve_for(self, seq_id: int, max_seq_len: int) -> None:
+        """Declare that a queued sequence will hold at most `max_seq_len` tokens (prompt +
+        max_tokens). Paged allocation ignores it: blocks are taken as the sequence grows (§4.2).
+        The contiguous baseline (kv/contiguous.py) sizes its region from it."""
+
     def _take(self) -> int:
         if self._rng is not None:
             i = self._rng.randrange(len(self.free_blocks))

@@ -174,6 +174,21 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
     return out
 
 
+def load_tokenizer(spec: str | Path):
+    """The HF tokenizer of a model (built-in name, GGUF path or HF folder) without its weights; a
+    GGUF is converted first (once). Raises FileNotFoundError / ValueError when the model cannot
+    be resolved, ValueError when it has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    from mixserve.models.registry import resolve_model
+
+    r = resolve_model(spec)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else Path(r.path)
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        raise ValueError(f"model {spec!r} has no tokenizer (in {folder})")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 def load_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the *.safetensors files in an HF folder (memory-mapped where possible).
 

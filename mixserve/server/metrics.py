@@ -31,7 +31,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("mixserve_num_requests_waiting",
                                 "Requests waiting for admission (server queue + scheduler).", value=self.waiting_fn())
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_used", "KV cache blocks in use.",
-                                value=bm.num_blocks - len(bm.free_blocks))
+                                value=bm.num_used_blocks)
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_total", "KV cache blocks in all.", value=bm.num_blocks)
         yield CounterMetricFamily("mixserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=eng.scheduler.num_preemptions)
