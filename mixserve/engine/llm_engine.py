@@ -12,7 +12,7 @@ import torch
 
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import Sampler, SamplingMetadata, probs_from_logits, process_logits
+from mixserve.engine.sampler import Sampler, SamplingMetadata, exponential_noise, probs_from_logits, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
 from mixserve.models.config import ModelConfig
@@ -21,7 +21,7 @@ from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
 from mixserve.spec.controller import SpecController
 from mixserve.spec.proposer import DraftModelProposer, NgramProposer
-from mixserve.spec.rejection import accept_greedy, accept_sampled
+from mixserve.spec.rejection import accept_coupled, accept_greedy, accept_sampled
 
 _DEFAULT_KV_MEMORY = "1GiB"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -479,7 +479,8 @@ class LLMEngine:
             for t in range(it.num_logits):
                 row_seqs.append(by_id[it.seq_id])
                 row_extra.append(d[:t])
-        processed = process_logits(logits, self._sampling_metadata(row_seqs, row_extra))
+        meta = self._sampling_metadata(row_seqs, row_extra)
+        processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
         outputs, r, now = [], 0, time.perf_counter()
@@ -489,11 +490,14 @@ class LLMEngine:
             n_before = seq.num_tokens
             if seq.params.greedy:
                 j, toks = accept_greedy(processed[r:r + m].argmax(-1).tolist(), d)
+            elif meta.generators[r] is not None:  # seeded: the same text whatever k is
+                noise = torch.stack([exponential_noise(g, processed.shape[1]) for g in meta.generators[r:r + m]])
+                j, toks = accept_coupled(probs_from_logits(processed[r:r + m]), d, noise)
             else:
                 q = qs.get(it.seq_id)
                 if q is None and d:  # deterministic proposer: q is one-hot
                     q = torch.nn.functional.one_hot(torch.tensor(d), processed.shape[1]).float()
-                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d, seq.generator)
+                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d)
             if d:
                 seq.spec_steps += 1
                 seq.spec_proposed += len(d)
@@ -522,7 +526,8 @@ class LLMEngine:
         return outputs
 
     def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> SamplingMetadata:
-        """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i."""
+        """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i
+        (row i samples the token at position len(token_ids) + len(extra[i]), whose generator it gets)."""
         eos = self.cfg.eos_token_ids
         extra = extra or [[] for _ in seqs]
         masks = []
@@ -536,7 +541,7 @@ class LLMEngine:
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
             output_ids=[s.output_token_ids + e for s, e in zip(seqs, extra)],
-            generators=[s.generator for s in seqs],
+            generators=[s.generator_at(s.num_tokens + len(e)) for s, e in zip(seqs, extra)],
             min_tokens_mask_ids=masks,
         )
 
