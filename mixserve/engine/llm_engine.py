@@ -272,12 +272,22 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_step_tokens = 0  # tokens the target model ran in the last step (prefill + decode + drafts)
         # cumulative token counts (tokens) for monitoring: prompts of accepted requests, and
         # every generated token (aborted requests' included)
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         # parallel sampling: requests waiting for a leader's prefill, by the leader's seq_id
         self._followers: dict[int, list[Sequence]] = {}
+        self._num_followers = 0  # their count, readable from another thread without iterating
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: the scheduler's waiting queue plus the samples of n > 1
+        requests parked behind their leader's prefill (LLMEngine.add_request). Two atomic reads,
+        so another thread (the server's /metrics, its admission check) may call it while the
+        engine steps; it is then at most one step stale."""
+        return len(self.scheduler.waiting) + self._num_followers
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -365,6 +375,7 @@ class LLMEngine:
         if (lead is not None and lead is not seq and self.proposer is None and lead.prompt_token_ids == ids
                 and lead.num_computed_tokens < len(ids) and not lead.is_finished):
             self._followers.setdefault(lead.seq_id, []).append(seq)
+            self._num_followers += 1
         else:
             self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
@@ -380,11 +391,13 @@ class LLMEngine:
         for lead_id, fs in list(self._followers.items()):
             if seq in fs:  # a follower not yet released: it holds no blocks
                 fs.remove(seq)
+                self._num_followers -= 1
                 seq.status = SequenceStatus.FINISHED
                 return True
         self.scheduler.finish(seq)
         for f in self._followers.pop(seq.seq_id, []):  # its followers prefill for themselves
             self.scheduler.add(f)
+            self._num_followers -= 1
         return True
 
     def _release_followers(self, seqs: list[Sequence]) -> None:
@@ -402,7 +415,9 @@ class LLMEngine:
                 self.block_manager.fork(lead.seq_id, f.seq_id)
                 self.block_manager.truncate(f.seq_id, n)
                 f.num_computed_tokens = n - 1
+                # into the waiting queue first, so that num_waiting never misses it
                 self.scheduler.waiting.appendleft(f)
+                self._num_followers -= 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -418,6 +433,7 @@ class LLMEngine:
             alphas = [self.controller.alpha_for(s.spec_accepted, s.spec_evaluated) for s in decoding]
             k = self.controller.choose(alphas, prefill_tokens)
         sched = self.scheduler.schedule(lookahead=k)
+        self.last_step_tokens = 0
         if not sched.scheduled:
             return []
         now = time.perf_counter()
@@ -447,7 +463,8 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
         # the cost model compares whole steps: forward, sampling and output handling
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
+        self.last_step_tokens = sum(it.end - it.start for it in items)
+        self.controller.target.record(self.last_step_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         return outputs
 
@@ -521,7 +538,8 @@ class LLMEngine:
             outputs.append(out)
             r += m
         # verification cost = target forward + accept/reject + output handling (draft excluded)
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
+        self.last_step_tokens = sum(it.end - it.start for it in items)
+        self.controller.target.record(self.last_step_tokens, time.perf_counter() - t1)
         self.num_steps += 1
         return outputs
 
