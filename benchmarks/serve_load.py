@@ -1,10 +1,12 @@
 """Serving under load, on loopback, with the real `mixserve serve` in a subprocess and the online
 client (mixserve/bench/online.py) in this one:
 
-1. Idle open streams: a server with --max-num-seqs 1 runs one streaming request (its inter-token
-   latency is the engine's step time) alone, and again while 200 more streaming requests hold
-   their connections open, waiting for admission. Rounds alternate; the ratio of medians is the
-   HTTP side's cost to the engine (target: at most 1.10).
+1. Idle open streams: a server with --max-num-seqs 1 runs one greedy streaming request alone (A),
+   and again while 200 more streaming requests hold their connections open, waiting for
+   admission (B). The engine's own step timer (/metrics, mixserve_engine_step_seconds) gives the
+   mean step time over the same window of the probe's decode in both; rounds interleave A B / B A,
+   and the median of the per-round ratios B / A is the HTTP side's cost to the engine (target:
+   at most 1.10).
 2. Load: 200 concurrent streaming ShareGPT requests at once; all must complete; /metrics must
    agree with what the client counted (requests, prompt and generated tokens) and show every KV
    block free afterwards.
@@ -12,11 +14,13 @@ client (mixserve/bench/online.py) in this one:
    0.5x, 1x and 2x of it, and all at once, with the latency table.
 
     python benchmarks/serve_load.py --model qwen2.5-coder-0.5b-instruct --out results/serve_load.json
+    python benchmarks/serve_load.py --only-idle --out results/serve_idle.json   # phase 1 alone
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -75,62 +79,118 @@ class Server:
         return rc
 
 
-async def stream_one(client, url: str, body: dict, started: asyncio.Event | None = None) -> list[float]:
-    """Chunk arrival times (perf_counter seconds) of one streaming completion."""
-    times = []
+async def engine_steps(client, url: str) -> dict[str, float]:
+    """The engine step timer from /metrics: steps, their total seconds, and tokens run."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families((await client.get(url + "/metrics")).text):
+        for s in fam.samples:
+            if s.name in ("mixserve_engine_step_seconds_count", "mixserve_engine_step_seconds_sum",
+                          "mixserve_engine_step_tokens_total", "mixserve_num_requests_waiting"):
+                out[s.name] = s.value
+    return out
+
+
+async def stream_one(client, url: str, body: dict, chunks: asyncio.Queue | None = None) -> int:
+    """Stream one completion; puts each text chunk's arrival (perf_counter seconds) in `chunks`.
+    Returns the number of text chunks."""
+    n = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 ch = json.loads(line[6:])
                 if ch.get("choices") and ch["choices"][0].get("text"):
-                    times.append(time.perf_counter())
-                    if started is not None:
-                        started.set()
-    return times
+                    n += 1
+                    if chunks is not None:
+                        chunks.put_nowait(time.perf_counter())
+    return n
 
 
-async def idle_streams(url: str, model: str, n_idle: int, rounds: int, tokens: int) -> dict:
-    import httpx
+async def idle_round(client, url: str, model: str, n_idle: int, skip: int, window: int) -> dict:
+    """One measurement of the engine's mean step time over a single-stream greedy decode
+    (server at --max-num-seqs 1), with `n_idle` open streams waiting for admission when n_idle > 0.
 
-    probe = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": tokens, "temperature": 0,
+    The window is the probe's chunks [skip, skip + window) (later if opening the idle streams
+    took longer: `window_start_chunk` says; raise --idle-skip until both arms start alike, since
+    steps get slower as the context grows), read from the server's own step timer (mixserve_engine_step_seconds) at its two
+    ends; the probe is then closed (aborted)."""
+    # room to spare: the probe is closed after the window, so its length costs nothing
+    probe = {"model": model, "prompt": "def fibonacci(n):", "max_tokens": skip + window + 512, "temperature": 0,
              "ignore_eos": True, "stream": True}
     idle = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0, "stream": True}
+    chunks: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(stream_one(client, url, probe, chunks))
+    seen = 0
+    await chunks.get()  # the probe holds the only sequence slot: the idle streams must wait
+    seen += 1
+    others, waiting = [], 0.0
+    if n_idle:
+        others = [asyncio.create_task(stream_one(client, url, idle)) for _ in range(n_idle)]
+        for _ in range(1200):  # until every idle stream is queued in the engine
+            await asyncio.sleep(0.05)
+            waiting = (await engine_steps(client, url)).get("mixserve_num_requests_waiting", 0.0)
+            if waiting >= n_idle:
+                break
+        else:
+            raise RuntimeError(f"only {waiting} of {n_idle} idle streams ever waited")
+    while seen < skip:
+        await chunks.get()
+        seen += 1
+    while not chunks.empty():  # chunks that arrived while opening the idle streams
+        chunks.get_nowait()
+        seen += 1
+    start = seen
+    m0 = await engine_steps(client, url)
+    for _ in range(window):
+        await asyncio.wait_for(chunks.get(), 300)
+    m1 = await engine_steps(client, url)
+    if n_idle:  # all still waiting: the window saw only the probe's decode steps
+        waiting = min(waiting, m1.get("mixserve_num_requests_waiting", 0.0))
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    if others:
+        await asyncio.gather(*others)
+    steps = m1["mixserve_engine_step_seconds_count"] - m0["mixserve_engine_step_seconds_count"]
+    seconds = m1["mixserve_engine_step_seconds_sum"] - m0["mixserve_engine_step_seconds_sum"]
+    tokens = m1["mixserve_engine_step_tokens_total"] - m0["mixserve_engine_step_tokens_total"]
+    return {"mean_step_s": seconds / steps, "steps": steps, "tokens_per_step": tokens / steps,
+            "window_start_chunk": start, "idle_waiting": waiting}
+
+
+async def idle_streams(url: str, model: str, n_idle: int, rounds: int, skip: int, window: int) -> dict:
+    """The HTTP side's cost to the engine: the engine's own mean step time for the same single-stream
+    decode alone (A) and with `n_idle` idle open streams (B), `rounds` rounds, interleaved A B / B A
+    so that a drifting host load weighs on both arms alike. Ratio per round B / A, and the median."""
+    import httpx
+
     # no keep-alive: uvicorn closes idle connections after 5 s, and reusing one then fails mid-round
     limits = httpx.Limits(max_connections=n_idle + 8, max_keepalive_connections=0)
-    alone, loaded, waiting_seen = [], [], []
+    alone, loaded = [], []
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await stream_one(client, url, {**probe, "max_tokens": 4})  # warm-up
-        for _ in range(rounds):
-            t = await stream_one(client, url, probe)
-            alone.append(statistics.median(b - a for a, b in zip(t[1:], t[2:])))
-            started = asyncio.Event()
-            task = asyncio.create_task(stream_one(client, url, probe, started))
-            await started.wait()
-            others = [asyncio.create_task(stream_one(client, url, idle)) for _ in range(n_idle)]
-            t_open = None
-            for _ in range(600):  # until every idle stream is queued in the engine
-                await asyncio.sleep(0.05)
-                w = (await client.get(url + "/metrics")).text
-                n_wait = [float(x.split()[-1]) for x in w.splitlines() if x.startswith("mixserve_num_requests_waiting")]
-                if n_wait and n_wait[0] >= n_idle:
-                    t_open = time.perf_counter()
-                    waiting_seen.append(n_wait[0])
-                    break
-            t = await task
-            gaps = [b - a for a, b in zip(t, t[1:]) if t_open is not None and a >= t_open]
-            loaded.append(statistics.median(gaps) if gaps else float("nan"))
-            await asyncio.gather(*others)
-    a, lo = statistics.median(alone), statistics.median(loaded)
-    return {"itl_alone_s": alone, "itl_with_idle_s": loaded, "waiting_seen": waiting_seen,
-            "ratio": lo / a, "n_idle": n_idle}
+        await idle_round(client, url, model, 0, 2, 4)  # warm-up
+        for i in range(rounds):
+            for arm in ((0, n_idle) if i % 2 == 0 else (n_idle, 0)):
+                r = await idle_round(client, url, model, arm, skip, window)
+                (loaded if arm else alone).append(r)
+                print(f"round {i} {'B (idle streams)' if arm else 'A (alone)'}: mean step "
+                      f"{r['mean_step_s'] * 1e3:.2f} ms over {r['steps']:.0f} steps", flush=True)
+    ratios = [b["mean_step_s"] / a["mean_step_s"] for a, b in zip(alone, loaded)]
+    return {"n_idle": n_idle, "alone": alone, "with_idle": loaded, "ratios": ratios,
+            "median_ratio": statistics.median(ratios), "target_ratio": 1.10}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--idle-streams", type=int, default=200)
-    ap.add_argument("--idle-rounds", type=int, default=3)
+    ap.add_argument("--idle-rounds", type=int, default=6, help="rounds of A (alone) and B (with idle streams)")
+    ap.add_argument("--idle-skip", type=int, default=128,
+                    help="probe chunks before the measured window (time to open the idle streams)")
+    ap.add_argument("--idle-window", type=int, default=192, help="probe decode steps measured per arm")
+    ap.add_argument("--only-idle", action="store_true", help="run the idle-stream phase only")
     ap.add_argument("--load-requests", type=int, default=200)
     ap.add_argument("--sweep-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64, help="cap on each request's output length")
@@ -154,11 +214,18 @@ def main():
     print("-- idle open streams", flush=True)
     srv = Server(a.model, "--max-num-seqs", "1")
     try:
-        res["idle_streams"] = asyncio.run(idle_streams(srv.url, a.model, a.idle_streams, a.idle_rounds, 48))
+        res["idle_streams"] = asyncio.run(idle_streams(srv.url, a.model, a.idle_streams, a.idle_rounds,
+                                                       a.idle_skip, a.idle_window))
     finally:
         rc = srv.stop()
-    res["idle_streams"]["exit_code"] = rc
-    print(res["idle_streams"], flush=True)
+    idle = res["idle_streams"]
+    idle["exit_code"] = rc
+    print("per-round ratios (B / A):", " ".join(f"{r:.3f}" for r in idle["ratios"]),
+          f"| median {idle['median_ratio']:.3f} (target <= {idle['target_ratio']})", flush=True)
+    if a.only_idle:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return
 
     reqs = load_sharegpt(tok, a.load_requests, seed=0, max_prompt_len=1024)
     for q in reqs:

@@ -240,19 +240,21 @@ def cmd_serve(a) -> int:
 
     from mixserve.engine.llm_engine import LLMEngine
     from mixserve.server.api import ServerConfig, create_app
+    from mixserve.server.serving import GracefulServer
 
     eng = LLMEngine(engine_args(a))
     print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
                        api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,
                        request_timeout=a.request_timeout, max_n=a.max_n)
-    # uvicorn handles SIGINT/SIGTERM: stop accepting, let running requests finish for
-    # shutdown_grace seconds, cancel (= abort) the rest, then the app's lifespan stops the engine.
-    # Afterwards it re-raises the signal under the handler found at start: make that one a clean
+    # On SIGINT/SIGTERM: stop accepting, let running requests finish for shutdown_grace seconds,
+    # end the rest properly (GracefulServer), then the app's lifespan stops the engine. uvicorn
+    # re-raises the signal afterwards under the handler found at start: make that one a clean
     # exit, since the shutdown has already been done in order.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(eng, cfg), host=a.host, port=a.port, timeout_graceful_shutdown=a.shutdown_grace,
-                access_log=a.access_log, log_level="info")
+    config = uvicorn.Config(create_app(eng, cfg), host=a.host, port=a.port, timeout_graceful_shutdown=5,
+                            access_log=a.access_log, log_level="info")
+    GracefulServer(config, grace_s=a.shutdown_grace).run()
     return 0
 
 

@@ -11,6 +11,21 @@ import torch
 from mixserve.sampling_params import SamplingParams
 
 _ids = itertools.count()
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    # SplitMix64's output function (Steele et al. 2014): nearby inputs give unrelated outputs
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """A CPU torch.Generator seeded from (seed, position) (seed: any int; position: token index
+    >= 0). Distinct pairs give unrelated streams, so seed s at position t+1 and seed s+1 at t differ."""
+    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position))
 
 
 class SequenceStatus(enum.Enum):
@@ -39,7 +54,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     token_ids: list[int] = field(init=False)
-    generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
@@ -61,8 +75,18 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def generator_at(self, position: int) -> torch.Generator | None:
+        """The random stream for the token at index `position` of `token_ids` (prompt included),
+        or None when the request has no seed or is greedy (the global RNG / argmax is used).
+
+        A fresh generator per position, seeded from (seed, position): the draws for one token
+        never depend on how many draws earlier steps made, so speculative decoding with any k
+        per step (and any proposer) gives the same text as plain decoding for a seed.
+        """
+        if self.params.seed is None or self.params.greedy:
+            return None
+        return position_generator(self.params.seed, position)
 
     @property
     def num_tokens(self) -> int:

@@ -8,17 +8,19 @@ import torch
 import uvicorn
 
 from mixserve.server.api import ServerConfig, create_app
+from mixserve.server.serving import GracefulServer
 
 
 class LiveServer:
     """Serve `engine` at http://127.0.0.1:<free port>; `stop()` runs the same shutdown path as
-    SIGTERM (uvicorn graceful shutdown, then the app's lifespan stops the engine thread)."""
+    SIGTERM (GracefulServer: `grace_s` for running requests, then the app's lifespan stops the
+    engine thread). tokenizer: passed to create_app (stubs in tests)."""
 
-    def __init__(self, engine, cfg: ServerConfig, timeout_s: float = 60.0):
+    def __init__(self, engine, cfg: ServerConfig, timeout_s: float = 60.0, grace_s: float = 5.0, tokenizer=None):
         self.engine = engine
-        self.app = create_app(engine, cfg)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.app = create_app(engine, cfg, tokenizer=tokenizer)
+        self.server = GracefulServer(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=5), grace_s=grace_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         t0 = time.monotonic()

@@ -12,7 +12,7 @@ import torch
 
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import Sampler, SamplingMetadata, probs_from_logits, process_logits
+from mixserve.engine.sampler import Sampler, SamplingMetadata, exponential_noise, probs_from_logits, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
 from mixserve.kv.contiguous import RESERVE_MODES, ContiguousBlockManager
@@ -22,7 +22,7 @@ from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
 from mixserve.spec.controller import SpecController
 from mixserve.spec.proposer import DraftModelProposer, NgramProposer
-from mixserve.spec.rejection import accept_greedy, accept_sampled
+from mixserve.spec.rejection import accept_coupled, accept_greedy, accept_sampled
 
 _DEFAULT_KV_MEMORY = "1GiB"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -289,12 +289,22 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_step_tokens = 0  # tokens the target model ran in the last step (prefill + decode + drafts)
         # cumulative token counts (tokens) for monitoring: prompts of accepted requests, and
         # every generated token (aborted requests' included)
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         # parallel sampling: requests waiting for a leader's prefill, by the leader's seq_id
         self._followers: dict[int, list[Sequence]] = {}
+        self._num_followers = 0  # their count, readable from another thread without iterating
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: the scheduler's waiting queue plus the samples of n > 1
+        requests parked behind their leader's prefill (LLMEngine.add_request). Two atomic reads,
+        so another thread (the server's /metrics, its admission check) may call it while the
+        engine steps; it is then at most one step stale."""
+        return len(self.scheduler.waiting) + self._num_followers
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -385,6 +395,7 @@ class LLMEngine:
                 and self.args.kv_allocator == "paged"
                 and lead.num_computed_tokens < len(ids) and not lead.is_finished):
             self._followers.setdefault(lead.seq_id, []).append(seq)
+            self._num_followers += 1
         else:
             self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
@@ -400,11 +411,13 @@ class LLMEngine:
         for lead_id, fs in list(self._followers.items()):
             if seq in fs:  # a follower not yet released: it holds no blocks
                 fs.remove(seq)
+                self._num_followers -= 1
                 seq.status = SequenceStatus.FINISHED
                 return True
         self.scheduler.finish(seq)
         for f in self._followers.pop(seq.seq_id, []):  # its followers prefill for themselves
             self.scheduler.add(f)
+            self._num_followers -= 1
         return True
 
     def _release_followers(self, seqs: list[Sequence]) -> None:
@@ -422,7 +435,9 @@ class LLMEngine:
                 self.block_manager.fork(lead.seq_id, f.seq_id)
                 self.block_manager.truncate(f.seq_id, n)
                 f.num_computed_tokens = n - 1
+                # into the waiting queue first, so that num_waiting never misses it
                 self.scheduler.waiting.appendleft(f)
+                self._num_followers -= 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -438,6 +453,7 @@ class LLMEngine:
             alphas = [self.controller.alpha_for(s.spec_accepted, s.spec_evaluated) for s in decoding]
             k = self.controller.choose(alphas, prefill_tokens)
         sched = self.scheduler.schedule(lookahead=k)
+        self.last_step_tokens = 0
         if not sched.scheduled:
             return []
         now = time.perf_counter()
@@ -467,7 +483,8 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
         # the cost model compares whole steps: forward, sampling and output handling
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t0)
+        self.last_step_tokens = sum(it.end - it.start for it in items)
+        self.controller.target.record(self.last_step_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         return outputs
 
@@ -499,7 +516,8 @@ class LLMEngine:
             for t in range(it.num_logits):
                 row_seqs.append(by_id[it.seq_id])
                 row_extra.append(d[:t])
-        processed = process_logits(logits, self._sampling_metadata(row_seqs, row_extra))
+        meta = self._sampling_metadata(row_seqs, row_extra)
+        processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
         outputs, r, now = [], 0, time.perf_counter()
@@ -509,11 +527,14 @@ class LLMEngine:
             n_before = seq.num_tokens
             if seq.params.greedy:
                 j, toks = accept_greedy(processed[r:r + m].argmax(-1).tolist(), d)
+            elif meta.generators[r] is not None:  # seeded: the same text whatever k is
+                noise = torch.stack([exponential_noise(g, processed.shape[1]) for g in meta.generators[r:r + m]])
+                j, toks = accept_coupled(probs_from_logits(processed[r:r + m]), d, noise)
             else:
                 q = qs.get(it.seq_id)
                 if q is None and d:  # deterministic proposer: q is one-hot
                     q = torch.nn.functional.one_hot(torch.tensor(d), processed.shape[1]).float()
-                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d, seq.generator)
+                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d)
             if d:
                 seq.spec_steps += 1
                 seq.spec_proposed += len(d)
@@ -537,12 +558,14 @@ class LLMEngine:
             outputs.append(out)
             r += m
         # verification cost = target forward + accept/reject + output handling (draft excluded)
-        self.controller.target.record(sum(it.end - it.start for it in items), time.perf_counter() - t1)
+        self.last_step_tokens = sum(it.end - it.start for it in items)
+        self.controller.target.record(self.last_step_tokens, time.perf_counter() - t1)
         self.num_steps += 1
         return outputs
 
     def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> SamplingMetadata:
-        """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i."""
+        """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i
+        (row i samples the token at position len(token_ids) + len(extra[i]), whose generator it gets)."""
         eos = self.cfg.eos_token_ids
         extra = extra or [[] for _ in seqs]
         masks = []
@@ -556,7 +579,7 @@ class LLMEngine:
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
             output_ids=[s.output_token_ids + e for s, e in zip(seqs, extra)],
-            generators=[s.generator for s in seqs],
+            generators=[s.generator_at(s.num_tokens + len(e)) for s, e in zip(seqs, extra)],
             min_tokens_mask_ids=masks,
         )
 

@@ -46,8 +46,10 @@ class SamplingMetadata:
         params: one SamplingParams per row.
         prompt_ids: prompt token ids per row (read only for the repetition penalty).
         output_ids: token ids generated so far per row (penalties).
-        generators: per-row torch.Generator for seeded requests (on the logits' device, seeded
-            once per request and kept across steps), else None to use the global RNG.
+        generators: per-row CPU torch.Generator for seeded requests, else None to use the
+            global RNG. The engine passes a fresh one per token position
+            (Sequence.generator_at), so a seeded row's token depends only on (seed, position)
+            and its probabilities.
         min_tokens_mask_ids: per row, token ids to forbid because the output is still shorter
             than min_tokens (EOS + stop_token_ids); empty list when none. Ids outside
             [0, V) are ignored, since such a token can never be sampled anyway.
@@ -261,6 +263,23 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return out
 
 
+def exponential_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:
+    """float64 [vocab] i.i.d. Exp(1) draws from `generator` (CPU).
+
+    float64, because a float32 uniform is 0 with probability 2**-24 per entry, which over a
+    150k vocabulary would hand a visible share of draws to whichever token got E = 0.
+    """
+    return torch.empty(vocab, dtype=torch.float64).exponential_(generator=generator)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax_i probs[..., i] / noise[..., i] for Exp(1) noise: an exact sample of `probs`
+    (the "exponential race", equivalent to the Gumbel-max trick; Gumbel 1954, Maddison et al.
+    2014). probs [..., V] (any float dtype, rows sum to 1), noise [..., V] float64 on any
+    device. Returns int64 [...] token ids."""
+    return (probs.to(torch.float64) / noise.to(probs.device)).argmax(dim=-1)
+
+
 def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim: processed [N, V] logits -> float32 [N, V] probabilities.
 
@@ -272,10 +291,13 @@ def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Picks one token per row: argmax for greedy rows, a multinomial draw otherwise.
 
-    Seeded rows draw with their own generator on their own [1, V] probability row, so the
-    token depends only on the seed, the number of earlier draws from that generator, and that
-    row's logits, never on which other requests share the batch. Unseeded rows share one
-    draw from the global RNG.
+    Seeded rows draw V exponentials from their own generator and take the exponential race
+    (`race`) on their own probability row, so the token depends only on that generator's
+    stream (per position: see SamplingMetadata.generators) and that row's probabilities, never
+    on which other requests share the batch. Speculative verification draws the same noise
+    for the same position (spec/rejection.accept_coupled), which is what makes a seeded text
+    independent of how many tokens were speculated. Unseeded rows share one multinomial draw
+    from the global RNG.
     """
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -327,7 +349,7 @@ class Sampler:
             for j, i in enumerate(sampled_rows):
                 gen = meta.generators[i]
                 if gen is not None:
-                    drawn[j] = torch.multinomial(probs[j:j + 1], 1, generator=gen)[0, 0]
+                    drawn[j] = race(probs[j], exponential_noise(gen, probs.shape[1]))
             tokens[s_idx] = drawn
 
         token_list = tokens.tolist()

@@ -4,11 +4,16 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET 
 GET /metrics. Every request is checked completely (types, ranges, context and KV limits) before it
 reaches the engine, so a bad request is an HTTP 400 naming the field and never an engine error.
 Whatever ends a request early (client gone, --request-timeout, shutdown) aborts it in the engine,
-which frees its KV blocks before the next step.
+which frees its KV blocks before the next step. Tokenization and chat templating run on one
+worker thread, in arrival order, so a long prompt never stalls the event loop (other streams).
+At shutdown (`app.state.drain`, called by serving.GracefulServer) requests get a grace period,
+then end properly: a stream with a last chunk per unfinished choice (finish_reason "abort") and
+[DONE], a non-streamed request with a JSON 503.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -19,12 +24,14 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mixserve.engine.llm_engine import LLMEngine, RequestOutput
 from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
+from mixserve.server.logprobs import OffsetCounter, TokenText, chat_logprobs, completion_logprobs
 from mixserve.server.metrics import ServerMetrics
 from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, field_error,
                                       parse_request, sampling_params)
@@ -37,7 +44,8 @@ class ServerConfig:
     """HTTP-side settings.
 
     served_model_name: the only `model` value accepted (and listed by /v1/models).
-    api_key: if set, /v1/* requires `Authorization: Bearer <api_key>` (else HTTP 401).
+    api_key: if set, /v1/* and the API docs (/docs, /redoc, /openapi.json) require
+        `Authorization: Bearer <api_key>` (else HTTP 401); /health and /metrics stay open.
     max_waiting: most requests waiting for admission; beyond it HTTP 503 with Retry-After
         (`retry_after` seconds). None: unbounded.
     request_timeout: seconds from arrival after which a request is aborted (HTTP 504, or an
@@ -57,6 +65,10 @@ class _RequestTimeout(Exception):
     pass
 
 
+class _ShuttingDown(Exception):
+    """Put in a job's queue when the server ends it at shutdown."""
+
+
 @dataclass
 class _Choice:
     """One sample being generated (one engine request)."""
@@ -69,6 +81,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
+    offsets: OffsetCounter = field(default_factory=OffsetCounter)  # text_offset of streamed logprobs
 
 
 @dataclass
@@ -80,10 +93,10 @@ class _Job:
     req: CompletionRequest | ChatCompletionRequest
     prompts: list[tuple[str | None, list[int]]]
     choices: list[_Choice]
-    queue: asyncio.Queue
     created: int
     logprobs: int | None
     params: list = field(default_factory=list)  # SamplingParams per choice
+    queue: asyncio.Queue | None = None  # made on the event loop, at submit
     timer: asyncio.TimerHandle | None = None
     end_reason: str = "client_closed"  # why unfinished choices get aborted when the response ends
 
@@ -91,27 +104,48 @@ class _Job:
         return {c.request_id: c for c in self.choices}
 
 
-def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
+def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     """The FastAPI app serving `engine`. Its lifespan starts the engine thread and, at shutdown,
-    aborts what still runs and joins the thread. The engine must not be stepped elsewhere."""
-    tokenizer = None
-    if engine.tokenizer is not None:
+    aborts what still runs and joins the thread. The engine must not be stepped elsewhere.
+
+    tokenizer: what encodes prompts and applies the chat template, on the app's tokenization
+    thread only (default: the model's, loaded again from engine.model_dir). `app.state.drain(s)`
+    ends the requests still running after `s` seconds (see module docstring).
+    """
+    decoder = None
+    if tokenizer is None and engine.tokenizer is not None:
         from transformers import AutoTokenizer
 
-        # A second instance: HF fast tokenizers can fail with "Already borrowed" when one
-        # instance is used from two threads, and the engine thread decodes all the time.
+        # Instances of our own: HF fast tokenizers can fail with "Already borrowed" when one
+        # instance is used from two threads, and the engine thread decodes all the time. One
+        # encodes on the tokenization thread, one decodes on the event loop.
         tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
+        decoder = AutoTokenizer.from_pretrained(str(engine.model_dir))
+    elif tokenizer is not None:
+        decoder = tokenizer
+    token_text = TokenText(decoder) if decoder is not None else None
+    # one thread: prompts are tokenized (and so submitted) in arrival order
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenize")
     metrics: ServerMetrics | None = None
-    loop = EngineLoop(engine, cfg.max_waiting, on_finish=lambda out: metrics.observe(out))
+    loop = EngineLoop(engine, cfg.max_waiting, on_finish=lambda out: metrics.observe(out),
+                      on_step=lambda seconds, tokens: metrics.observe_step(seconds, tokens))
     metrics = ServerMetrics(engine, lambda: loop.num_waiting)
+    jobs: dict[str, _Job] = {}  # submitted and not yet answered, by id
+    jobs_done = asyncio.Event()  # set while `jobs` is empty
+    jobs_done.set()
+    accepting = True
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loop.start()
         yield
         await loop.stop()
+        tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="mixserve", lifespan=lifespan)
+    # the docs describe the API: behind the key when there is one
+    docs_open = cfg.api_key is None
+    app = FastAPI(title="mixserve", lifespan=lifespan, docs_url="/docs" if docs_open else None,
+                  redoc_url="/redoc" if docs_open else None, openapi_url="/openapi.json" if docs_open else None)
     app.state.engine_loop = loop
     app.state.metrics = metrics
     app.state.config = cfg
@@ -148,6 +182,22 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                            code="invalid_api_key")
 
     # -- plain endpoints -------------------------------------------------------------------------
+    if not docs_open:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request):
+            authorize(request)
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request):
+            authorize(request)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="mixserve - docs")
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc(request: Request):
+            authorize(request)
+            return get_redoc_html(openapi_url="/openapi.json", title="mixserve - docs")
+
     @app.get("/health")
     async def health():
         if not loop.alive:
@@ -177,6 +227,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def serve(request: Request, kind: str):
         arrival = time.perf_counter()
         authorize(request)
+        refuse_if_shutting_down()
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -184,14 +235,43 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         except RecursionError:
             raise bad_request(None, "the request body is nested too deeply") from None
         req = parse_request(kind, body)
-        job = prepare(kind, req)
+        # tokenization and templating off the event loop: a long prompt must not stall other streams
+        job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req)
+        refuse_if_shutting_down()
         submit(job, arrival)
         if req.stream:
-            return _EngineStream(stream_events(job), on_close=lambda: abort(job, job.end_reason))
+            return _EngineStream(stream_events(job), on_close=lambda: finish_job(job))
         try:
             return await collect(job, request)
         finally:
-            abort(job, job.end_reason)
+            finish_job(job)
+
+    def refuse_if_shutting_down() -> None:
+        if not accepting:
+            raise APIError(503, "server shutting down", type="server_error", code="server_shutting_down")
+
+    def finish_job(job: _Job) -> None:
+        abort(job, job.end_reason)
+        jobs.pop(job.id, None)
+        if not jobs:
+            jobs_done.set()
+
+    async def drain(grace_s: float, flush_s: float = 5.0) -> None:
+        """Shutdown: refuse new requests, give running ones `grace_s` seconds to finish, then end
+        the rest (aborted in the engine; streams get a last chunk with finish_reason "abort" and
+        [DONE], others a JSON 503) and wait up to `flush_s` seconds for those answers to go out."""
+        nonlocal accepting
+        accepting = False
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(jobs_done.wait(), grace_s)
+        for job in list(jobs.values()):
+            if any(c.finish_reason is None for c in job.choices):
+                abort(job, "shutdown")
+                job.queue.put_nowait(_ShuttingDown())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(jobs_done.wait(), flush_s)
+
+    app.state.drain = drain
 
     def prepare(kind: str, req) -> _Job:
         """Check everything and build the job: one engine request per prompt and sample.
@@ -242,7 +322,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             field = "n" if len(prompts) == 1 else "prompt"
             raise bad_request(field, f"{field}: {len(prompts)} prompt(s) x n={req.n} = {len(choices)} samples; "
                                      f"this server queues at most {loop.max_waiting} (--max-waiting)")
-        return _Job(job_id, kind, req, prompts, choices, asyncio.Queue(), int(time.time()), logprobs, params)
+        return _Job(job_id, kind, req, prompts, choices, int(time.time()), logprobs, params)
 
     def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         raw = req.prompt
@@ -287,6 +367,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         return tokenizer(text, **kw)["input_ids"] if kw else tokenizer.encode(text)
 
     def submit(job: _Job, arrival: float) -> None:
+        job.queue = asyncio.Queue()
         added = []
         try:
             first: dict[int, str] = {}  # prompt index -> its first sample's request id
@@ -300,6 +381,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                 loop.abort(c.request_id)
             raise APIError(503, f"server busy: {e}; retry later", type="server_error", code="server_busy",
                            headers={"Retry-After": str(cfg.retry_after)}) from None
+        jobs[job.id] = job
+        jobs_done.clear()
         if cfg.request_timeout is not None:
             job.timer = asyncio.get_running_loop().call_later(cfg.request_timeout, on_timeout, job)
 
@@ -325,11 +408,13 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         if isinstance(item, _RequestTimeout):
             raise APIError(504, f"request timed out after {cfg.request_timeout} s and was aborted",
                            type="timeout_error", code="request_timeout")
+        if isinstance(item, _ShuttingDown) or (isinstance(item, EngineFailure) and item.shutdown):
+            raise APIError(503, "server shutting down: the request was aborted", type="server_error",
+                           code="server_shutting_down")
         if isinstance(item, EngineFailure):
             by_id[item.request_id].finish_reason = "error"
             job.end_reason = "error"
-            status = 503 if "shutting down" in str(item) else 500
-            raise APIError(status, str(item), type="server_error")
+            raise APIError(500, str(item), type="server_error")
         return by_id[item.request_id], item
 
     def absorb(job: _Job, c: _Choice, out: RequestOutput) -> tuple[list[int], list]:
@@ -375,11 +460,12 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             if job.kind == "completions":
                 if job.req.echo:
                     text = prompt_text(job, c) + text
-                ch = {"index": c.index, "text": text, "logprobs": completion_logprobs(c.logprobs, 0),
+                ch = {"index": c.index, "text": text,
+                      "logprobs": completion_logprobs(c.logprobs, token_text, OffsetCounter()),
                       "finish_reason": c.finish_reason}
             else:
                 ch = {"index": c.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                      "logprobs": chat_logprobs(c.logprobs, token_text), "finish_reason": c.finish_reason}
             if job.req.return_token_ids:
                 ch["token_ids"] = c.token_ids
                 ch["prompt_token_ids"] = c.prompt_ids
@@ -395,32 +481,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     def prompt_text(job: _Job, c: _Choice) -> str:
         text, ids = job.prompts[c.prompt_index]
         if text is None:
-            text = tokenizer.decode(ids) if tokenizer is not None else ""
+            text = decoder.decode(ids) if decoder is not None else ""
         return text
-
-    def token_text(tok_id: int) -> str:
-        return tokenizer.decode([tok_id]) if tokenizer is not None else ""
-
-    def completion_logprobs(lps: list, offset: int) -> dict | None:
-        if not lps or lps[0] is None:
-            return None
-        tokens, offsets, pos = [], [], offset
-        for lp in lps:
-            t = token_text(lp.token_id)
-            tokens.append(t)
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
-
-    def chat_logprobs(lps: list) -> dict | None:
-        if not lps or lps[0] is None:
-            return None
-        def entry(tok_id, lp):
-            t = token_text(tok_id)
-            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                            for lp in lps]}
 
     # -- streaming -------------------------------------------------------------------------------
     async def stream_events(job: _Job):
@@ -430,7 +492,6 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         req = job.req
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         obj = "text_completion" if job.kind == "completions" else "chat.completion.chunk"
-        text_offsets = {c.index: 0 for c in job.choices}
 
         def chunk(choices: list[dict], usage_=None) -> str:
             d = {"id": job.id, "object": obj, "created": job.created, "model": cfg.served_model_name,
@@ -442,13 +503,12 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         def choice(c: _Choice, text: str, new_ids: list[int], new_lps: list, first: bool = False) -> dict:
             if job.kind == "completions":
                 ch = {"index": c.index, "text": text,
-                      "logprobs": completion_logprobs(new_lps, text_offsets[c.index]) if job.logprobs is not None
+                      "logprobs": completion_logprobs(new_lps, token_text, c.offsets) if job.logprobs is not None
                       else None, "finish_reason": c.finish_reason}
-                text_offsets[c.index] += len(text)
             else:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 ch = {"index": c.index, "delta": delta,
-                      "logprobs": chat_logprobs(new_lps) if job.logprobs is not None and new_lps else None,
+                      "logprobs": chat_logprobs(new_lps, token_text) if job.logprobs is not None and new_lps else None,
                       "finish_reason": c.finish_reason}
             if req.return_token_ids:
                 ch["token_ids"] = new_ids
@@ -470,8 +530,16 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                     yield chunk([choice(c, out.new_text, new_ids, new_lps)])
             if include_usage:
                 yield chunk([], usage(job))
-        except APIError as e:  # headers are gone: the error becomes an event, as vLLM does
-            yield f"data: {json.dumps(e.body())}\n\n"
+        except APIError as e:
+            if e.code == "server_shutting_down":  # ended by the server: a proper end, not an error
+                for c in job.choices:
+                    if c.finish_reason in (None, "abort"):
+                        c.finish_reason = "abort"
+                        yield chunk([choice(c, "", [], [])])
+                if include_usage:
+                    yield chunk([], usage(job))
+            else:  # headers are gone: the error becomes an event, as vLLM does
+                yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return app

@@ -22,12 +22,14 @@ log = logging.getLogger("mixserve.server")
 
 
 class EngineFailure(Exception):
-    """The engine raised while running request `request_id` (or refused it at add time); the
-    message says why. The engine itself keeps serving other requests."""
+    """The engine raised while running request `request_id` (or refused it at add time), or
+    `shutdown`: the loop stopped with the request unfinished; the message says why. The engine
+    itself keeps serving other requests."""
 
-    def __init__(self, request_id: str, message: str):
+    def __init__(self, request_id: str, message: str, shutdown: bool = False):
         super().__init__(message)
         self.request_id = request_id
+        self.shutdown = shutdown
 
 
 class ServerOverloaded(Exception):
@@ -55,12 +57,15 @@ class EngineLoop:
         max_waiting: most requests waiting for admission (queued commands + the scheduler's
             waiting queue); `add` raises ServerOverloaded beyond it. None: no limit.
         on_finish: called on the event loop with each final RequestOutput (metrics).
+        on_step: called on the engine thread after each step that ran, with its wall time
+            (seconds, time.perf_counter) and the tokens the model ran in it (metrics).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_finish=None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_finish=None, on_step=None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finish = on_finish
+        self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,7 +85,7 @@ class EngineLoop:
 
     async def stop(self) -> None:
         """Abort whatever still runs, stop the engine thread and wait for it (seconds at most one
-        engine step). Open streams receive an EngineFailure("server shutting down")."""
+        engine step). Open streams receive an EngineFailure("server shutting down", shutdown=True)."""
         if self._thread is None:
             return
         self._commands.put(_STOP)
@@ -93,9 +98,15 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted: sent adds the thread has not applied + the scheduler's
-        waiting queue (a racy but atomic read of a deque's length)."""
-        return self._adds_sent - self._adds_applied + len(self.engine.scheduler.waiting)
+        """Requests not yet admitted: sent adds the thread has not applied + the engine's
+        waiting count (its scheduler queue and the n > 1 samples parked behind their leader's
+        prefill); racy but atomic reads, at most one step stale."""
+        return self._adds_sent - self._adds_applied + self.engine.num_waiting
+
+    def check_admission(self) -> None:
+        """Raise ServerOverloaded when `max_waiting` requests already wait (see num_waiting)."""
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise ServerOverloaded(f"{self.num_waiting} requests are waiting (limit {self.max_waiting})")
 
     # -- requests (event loop side) --------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -113,8 +124,7 @@ class EngineLoop:
         """
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise ServerOverloaded(f"{self.num_waiting} requests are waiting (limit {self.max_waiting})")
+        self.check_admission()
         stream = _Stream(out if out is not None else asyncio.Queue())
         self._streams[request_id] = stream
         self._adds_sent += 1
@@ -152,6 +162,7 @@ class EngineLoop:
                 cmd = self._get_nowait()
             outputs: list[RequestOutput] = []
             if eng.has_unfinished():
+                t0 = time.perf_counter()
                 try:
                     outputs = eng.step()
                 except Exception as e:
@@ -162,6 +173,9 @@ class EngineLoop:
                     for rid in list(eng.requests):
                         eng.abort(rid)
                         failures.append((rid, f"engine error: {type(e).__name__}: {e}"))
+                else:
+                    if self.on_step is not None and eng.last_step_tokens:
+                        self.on_step(time.perf_counter() - t0, eng.last_step_tokens)
             if outputs or failures:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs, failures)
 
@@ -177,12 +191,12 @@ class EngineLoop:
             self.engine.abort(rid)
             failures.append((rid, "server shutting down"))
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, [], failures)
+            self._loop.call_soon_threadsafe(self._dispatch, [], failures, True)
         except RuntimeError:  # the event loop is already closed: nobody is listening
             pass
 
     # -- back on the event loop ------------------------------------------------------------------
-    def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[str, str]]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[str, str]], shutdown: bool = False) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
@@ -196,4 +210,4 @@ class EngineLoop:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream.finished = True
-                stream.queue.put_nowait(EngineFailure(rid, why))
+                stream.queue.put_nowait(EngineFailure(rid, why, shutdown))

@@ -1,8 +1,11 @@
 """Prometheus metrics of a serving engine (prometheus_client, text format at GET /metrics).
 
 Engine state (requests running / waiting, KV blocks, preemptions, token counts) is read from the
-engine when scraped, so the engine thread does no metrics work per step; latency histograms are
-observed on the event loop when a request finishes. Names follow vLLM's where one exists.
+engine when scraped; latency histograms are observed on the event loop when a request finishes.
+The one per-step cost on the engine thread is the step timer (`observe_step`: one histogram
+observation and one counter increment, microseconds next to a step of milliseconds), which is
+what shows the HTTP side's cost to the engine (benchmarks/serve_load.py). Names follow vLLM's
+where one exists.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from mixserve.engine.llm_engine import LLMEngine, RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                 2.5, 5.0)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -29,7 +34,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("mixserve_num_requests_running", "Requests running in the engine.",
                                 value=len(eng.scheduler.running))
         yield GaugeMetricFamily("mixserve_num_requests_waiting",
-                                "Requests waiting for admission (server queue + scheduler).", value=self.waiting_fn())
+                                "Requests waiting for admission (server queue + scheduler queue + n > 1 "
+                                "samples parked behind their leader's prefill).", value=self.waiting_fn())
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_used", "KV cache blocks in use.",
                                 value=bm.num_used_blocks)
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_total", "KV cache blocks in all.", value=bm.num_blocks)
@@ -49,9 +55,9 @@ class ServerMetrics:
     E2E count from the request's arrival at the server.
     """
 
-    def __init__(self, engine: LLMEngine, waiting_fn=lambda: 0):
+    def __init__(self, engine: LLMEngine, waiting_fn=None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, waiting_fn))
+        self.registry.register(_EngineCollector(engine, waiting_fn or (lambda: engine.num_waiting)))
         r = self.registry
         self.finished = Counter("mixserve_request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
@@ -73,6 +79,18 @@ class ServerMetrics:
                                ["reason"], registry=r)
         self.rejected = Counter("mixserve_request_rejected", "Requests refused before running, by HTTP status.",
                                 ["status"], registry=r)
+        self.step_seconds = Histogram("mixserve_engine_step_seconds",
+                                      "Wall time of one engine step (schedule, forward, sampling, outputs), seconds.",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.step_tokens = Counter("mixserve_engine_step_tokens",
+                                   "Tokens the model ran in engine steps (prefill + decode + verified drafts).",
+                                   registry=r)
+
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        """Record one engine step: its wall time (seconds) and tokens run. Thread-safe
+        (prometheus_client locks), called on the engine thread."""
+        self.step_seconds.observe(seconds)
+        self.step_tokens.inc(tokens)
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics

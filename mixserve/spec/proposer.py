@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import SamplingMetadata, probs_from_logits, process_logits
+from mixserve.engine.sampler import SamplingMetadata, exponential_noise, probs_from_logits, process_logits, race
 from mixserve.kv.block_manager import BlockManager
 from mixserve.sequence import Sequence
 
@@ -19,8 +19,9 @@ from mixserve.sequence import Sequence
 class Proposal:
     """k proposed tokens for one sequence and the distributions they were drawn from.
 
-    q: float32 [k, V] processed draft probabilities, or None when the row is greedy (only the
-    tokens matter) or the proposer is deterministic (then q is one-hot, built on demand).
+    q: float32 [k, V] processed draft probabilities, or None when the row is greedy or seeded
+    (only the tokens matter: rejection.accept_greedy / accept_coupled) or the proposer is
+    deterministic (then q is one-hot, built on demand).
     """
 
     tokens: list[int]
@@ -89,12 +90,17 @@ class DraftModelProposer:
             by_id = {it.seq_id: r for r, it in enumerate(rows)}
             aseqs = [seqs[i] for i in active]
             logits = logits[[by_id[s.seq_id] for s in aseqs]]
-            processed = process_logits(logits, self.meta_fn(aseqs, [drafts[i] for i in active]))
+            meta = self.meta_fn(aseqs, [drafts[i] for i in active])
+            processed = process_logits(logits, meta)
             probs = None if all(s.params.greedy for s in aseqs) else probs_from_logits(processed)
             for r, i in enumerate(active):
                 s = seqs[i]
                 if s.params.greedy:
                     t = int(processed[r].argmax())
+                elif meta.generators[r] is not None:
+                    # seeded: the noise the target will use at this position (accept_coupled),
+                    # so no q is needed
+                    t = int(race(probs[r], exponential_noise(meta.generators[r], probs.shape[1])))
                 else:
                     t = int(torch.multinomial(probs[r], 1, generator=s.generator))
                     qs[i].append(probs[r])

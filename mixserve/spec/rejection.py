@@ -7,10 +7,15 @@ accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection,
 normalize(max(0, p_i - q_i)) and stop; if all K are accepted, sample a bonus token from p_{K+1}.
 The emitted tokens then follow p exactly (Leviathan et al., Appendix A.1). Greedy: accept while
 x_i == argmax p_i, then emit argmax of the first non-matching (or bonus) position.
+
+Seeded requests use `accept_coupled` instead: every position's token is the exponential race
+of the target's p with noise drawn for that position alone, so the text does not depend on k.
 """
 from __future__ import annotations
 
 import torch
+
+from mixserve.engine.sampler import race
 
 
 def accept_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, list[int]]:
@@ -61,3 +66,28 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft: list[int],
         dist = p[K]
     tok = int(torch.multinomial(dist, 1, generator=generator))
     return j, list(draft[:j]) + [tok]
+
+
+def accept_coupled(p: torch.Tensor, draft: list[int], noise: torch.Tensor) -> tuple[int, list[int]]:
+    """Drafter-invariant verification for seeded requests (Daliri, Musco & Suresh 2024,
+    "Coupling without communication and drafter-invariant speculative decoding").
+
+    The target's token at each position is y_i = race(p_i, E_i) (exponential race, an exact
+    sample of p_i) with noise E_i drawn for that output position only; draft token x_i is
+    accepted iff x_i == y_i, and the first mismatch emits y_i. Every emitted token is thus
+    exactly the token plain sampling would draw with the same noise, whatever k and the
+    proposer: the output follows p exactly and a seed gives the same text for any k.
+    For a deterministic proposer (q one-hot, n-gram) this accepts x with probability p(x) and
+    resamples from p without x, i.e. Leviathan et al.'s rule; a draft model that draws x_i as
+    race(q_i, E_i) with the same noise is accepted with probability >= (1 - TV) / (1 + TV)
+    instead of Leviathan's 1 - TV (Daliri et al., Thm. 2): the price of reproducibility.
+
+    Args:
+        p: [K+1, V] target probabilities (rows sum to 1).
+        draft: K proposed token ids.
+        noise: float64 [K+1, V] Exp(1) draws, row i for output position i (sampler.exponential_noise).
+    Returns:
+        (j accepted draft tokens, the j + 1 tokens to emit).
+    """
+    ys = race(p, noise).tolist()
+    return accept_greedy(ys, draft)

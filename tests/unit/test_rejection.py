@@ -1,7 +1,7 @@
 """Speculative sampling's accept/reject rule keeps the target distribution exactly."""
 import torch
 
-from mixserve.spec.rejection import accept_greedy, accept_sampled
+from mixserve.spec.rejection import accept_coupled, accept_greedy, accept_sampled
 
 V = 6
 N = 20000
@@ -75,3 +75,26 @@ def test_greedy_rule():
     assert accept_greedy([5, 9, 7], [5, 6]) == (1, [5, 9])
     assert accept_greedy([4, 9, 7], [5, 6]) == (0, [4])
     assert accept_greedy([4], []) == (0, [4])
+
+
+def test_coupled_rule_is_leviathans_for_a_fixed_draft():
+    """accept_coupled with a deterministic draft x accepts with probability p(x) and otherwise
+    emits p without x, renormalised (Leviathan's rule for one-hot q); the emitted token is the
+    race sample of p, so it is the same with or without the draft."""
+    from mixserve.engine.sampler import exponential_noise, race
+
+    P, _ = dists()
+    x = int(P[0].argmax())
+    g = torch.Generator().manual_seed(2)
+    acc, rejected_to = 0, torch.zeros(V)
+    for _ in range(N // 2):
+        noise = torch.stack([exponential_noise(g, V) for _ in range(2)])
+        j, toks = accept_coupled(P[:2], [x], noise)
+        assert toks[0] == int(race(P[0], noise[0]))  # k-invariant: what plain sampling draws
+        acc += j
+        if not j:
+            rejected_to[toks[0]] += 1
+    assert abs(acc / (N // 2) - P[0, x].item()) < 0.02
+    resid = P[0].clone()
+    resid[x] = 0
+    assert tv(rejected_to / rejected_to.sum(), resid / resid.sum()) < 0.03

@@ -78,3 +78,202 @@ def test_parse_request_null_means_default():
                                                                                        {"type": "text", "text": "b"}]}],
                                "tools": None, "temperature": None, "seed": None})
     assert r.temperature == 1.0 and r.messages[0].text() == "ab"
+
+
+# -- shutdown, tokenization off the loop, waiting count, docs behind the key, step timer ----------
+import json  # noqa: E402
+import threading  # noqa: E402
+
+from mixserve.server.engine_loop import EngineLoop, ServerOverloaded  # noqa: E402
+from mixserve.server.metrics import ServerMetrics  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("srv2"), "llama", tie=True)[0]
+
+
+def plain_engine(folder):
+    return LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", progress=False))
+
+
+class StepPermits:
+    """Replaces engine.step: each step waits for a permit, so the test decides how far requests get."""
+
+    def __init__(self, engine):
+        self.sem = threading.Semaphore(0)
+        self.orig = engine.step
+        engine.step = self.step
+
+    def step(self):
+        assert self.sem.acquire(timeout=60), "test never released the engine"
+        return self.orig()
+
+    def allow(self, n: int):
+        for _ in range(n):
+            self.sem.release()
+
+
+class StreamReader(threading.Thread):
+    """Reads one streaming request's SSE data lines in the background."""
+
+    def __init__(self, url, body, headers=None):
+        super().__init__(daemon=True)
+        self.url, self.body, self.headers = url, body, headers or {}
+        self.lines: list[str] = []
+        self.status = None
+        self.start()
+
+    def run(self):
+        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, headers=self.headers,
+                          timeout=60) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.lines.append(line[6:])
+
+    def wait_for(self, n: int, timeout_s: float = 30.0) -> bool:
+        import time
+
+        t0 = time.monotonic()
+        while len(self.lines) < n and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.01)
+        return len(self.lines) >= n
+
+
+def test_shutdown_past_grace_ends_streams_and_answers_json_503(tiny_folder):
+    eng = plain_engine(tiny_folder)
+    permits = StepPermits(eng)
+    srv = LiveServer(eng, ServerConfig("tiny"), grace_s=0)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True, "return_token_ids": True}
+    stream = StreamReader(srv.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    permits.allow(3)
+    assert stream.wait_for(3)
+    plain: dict = {}
+    t = threading.Thread(target=lambda: plain.update(r=httpx.post(srv.url + "/v1/completions", json=body, timeout=60)))
+    t.start()
+    while srv.loop._adds_sent < 2:  # both submitted; the engine is held, so neither can finish
+        t.join(0.01)
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()  # grace 0: the app ends both requests at once
+    stream.join(30)
+    t.join(30)
+    permits.allow(10_000)  # now let the engine thread run to its own stop
+    stopper.join(30)
+    assert stream.status == 200 and stream.lines[-1] == "[DONE]"
+    last, usage = json.loads(stream.lines[-3]), json.loads(stream.lines[-2])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 3
+    r = plain["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["type"] == "server_error" and r.json()["error"]["code"] == "server_shutting_down"
+    assert eng.block_manager.num_free_blocks == eng.num_blocks and not eng.requests
+
+
+class SlowTokenizer:
+    """Encodes only when the test says so, and says when it has started."""
+
+    chat_template = None
+    all_special_ids: list = []
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text):
+        self.entered.set()
+        assert self.release.wait(60)
+        return [3, 4, 5]
+
+    def convert_ids_to_tokens(self, i):
+        return f"t{i}"
+
+
+def test_tokenizing_a_prompt_does_not_block_other_streams(tiny_folder):
+    eng = plain_engine(tiny_folder)
+    permits = StepPermits(eng)
+    tok = SlowTokenizer()
+    srv = LiveServer(eng, ServerConfig("tiny"), tokenizer=tok)
+    try:
+        stream = StreamReader(srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100, "stream": True,
+                                        "ignore_eos": True, "return_token_ids": True})
+        permits.allow(2)
+        assert stream.wait_for(2)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(
+            srv.url + "/v1/completions", json={"model": "tiny", "prompt": "long text", "max_tokens": 2}, timeout=60)))
+        t.start()
+        assert tok.entered.wait(30)
+        n = len(stream.lines)
+        permits.allow(5)
+        # the other stream's chunks go out while the prompt is still being tokenized
+        assert stream.wait_for(n + 5) and not tok.release.is_set()
+        tok.release.set()
+        permits.allow(10_000)
+        t.join(30)
+        stream.join(30)
+        assert out["r"].status_code == 200 and out["r"].json()["usage"]["prompt_tokens"] == 3
+        assert stream.lines[-1] == "[DONE]"
+    finally:
+        tok.release.set()
+        permits.allow(10_000)
+        srv.stop()
+
+
+def test_parked_parallel_samples_count_as_waiting(tiny_folder):
+    eng = plain_engine(tiny_folder)
+    p = list(range(3, 40))
+    sp = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    eng.add_request(p, sp, request_id="a")
+    for r in "bcd":
+        eng.add_request(p, sp, request_id=r, share_prompt_with="a")
+    assert len(eng.scheduler.waiting) == 1 and eng.num_waiting == 4
+    loop = EngineLoop(eng, max_waiting=4)
+    assert loop.num_waiting == 4
+    with pytest.raises(ServerOverloaded):
+        loop.check_admission()
+    metrics = ServerMetrics(eng, lambda: loop.num_waiting)
+    waiting = [s.value for f in text_string_to_metric_families(
+        __import__("prometheus_client").generate_latest(metrics.registry).decode())
+        for s in f.samples if s.name == "mixserve_num_requests_waiting"]
+    assert waiting == [4]
+    assert eng.abort("d") and eng.num_waiting == 3  # a parked sample aborted
+    eng.step()  # the leader's prefill releases its samples into the waiting queue
+    assert eng.num_waiting == 2 and len(eng.scheduler.waiting) == 2
+    loop.check_admission()  # room again
+    eng.add_request(p, sp, request_id="e")
+    eng.add_request(p, sp, request_id="f", share_prompt_with="e")
+    assert eng.num_waiting == 4
+    assert eng.abort("e") and eng.num_waiting == 3  # its sample prefills by itself now: still waiting
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_waiting == 0
+
+
+def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder):
+    eng = plain_engine(tiny_folder)
+    srv = LiveServer(eng, ServerConfig("tiny", api_key="sekret"))
+    try:
+        key = {"Authorization": "Bearer sekret"}
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            assert httpx.get(srv.url + path, headers=key).status_code == 200, path
+        assert "/v1/completions" in httpx.get(srv.url + "/openapi.json", headers=key).json()["paths"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", headers=key,
+                       json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200
+        assert srv.wait_idle(10)
+        text = httpx.get(srv.url + "/metrics").text
+        m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        # one prefill step (5 tokens) and 3 decode steps (1 token each; the last token is never fed back)
+        assert m["mixserve_engine_step_seconds_count"] == eng.num_steps == 4
+        assert m["mixserve_engine_step_tokens_total"] == 5 + 3
+        assert 0 < m["mixserve_engine_step_seconds_sum"]
+    finally:
+        srv.stop()
+    open_srv = LiveServer(plain_engine(tiny_folder), ServerConfig("tiny"))
+    try:
+        assert httpx.get(open_srv.url + "/docs").status_code == 200
+    finally:
+        open_srv.stop()

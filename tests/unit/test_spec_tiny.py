@@ -130,3 +130,40 @@ def test_vocab_mismatch_refused(tmp_path, pair):
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="draft_model"):
         LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=str(tmp_path / "other"), progress=False)
+
+
+def _scripted_k(llm, ks):
+    """Make the engine use k = next(ks) at each step instead of the controller's choice."""
+    it = iter(ks)
+    llm.engine.controller.choose = lambda alphas, prefill_tokens: next(it)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_seeded_text_does_not_depend_on_k(pair, proposer):
+    """A seed gives the same tokens whatever k the controller picks at each step (and the same as
+    plain decoding), with proposals both accepted and rejected; another seed gives other tokens."""
+    import itertools
+    import random
+
+    target, draft = pair
+    ps = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [1, 2, 3, 4, 1, 2]]
+    sp = [SamplingParams(temperature=0.9, top_k=4, max_tokens=30, ignore_eos=True, seed=100 + i) for i in range(3)]
+    plain = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    ref = [o.token_ids for o in plain.generate(ps, sp)]
+    spec = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False, speculation="fixed",
+               draft_model="ngram" if proposer == "ngram" else draft, num_speculative_tokens=4)
+    rng = random.Random(0)
+    scripts = {"k=0": itertools.repeat(0), "k=4": itertools.repeat(4), "k=1": itertools.repeat(1),
+               "random k": (rng.randint(0, 4) for _ in itertools.count())}
+    accepted = evaluated = 0
+    for name, ks in scripts.items():
+        _scripted_k(spec, ks)
+        outs = spec.generate(ps, sp)
+        assert [o.token_ids for o in outs] == ref, name
+        accepted += sum(o.metrics["spec_accepted"] for o in outs)
+        evaluated += sum(o.metrics["spec_evaluated"] for o in outs)
+    assert 0 < accepted < evaluated  # both the accept and the reject path ran
+    other = [SamplingParams(temperature=0.9, top_k=4, max_tokens=30, ignore_eos=True, seed=200 + i) for i in range(3)]
+    _scripted_k(spec, itertools.repeat(3))
+    assert [o.token_ids for o in spec.generate(ps, other)] != ref
+    assert all(o.token_ids != r for o, r in zip(plain.generate(ps, other), ref))
