@@ -7,7 +7,8 @@ after attention when v's output can absorb a scale) AWQ:
 1. takes s_x, the mean |activation| of each input channel (§3.2: salient channels are found by
    activation, not weight, magnitude);
 2. grid-searches α in [0, 1] (20 points) for s = s_x^α (normalised by sqrt(max s * min s))
-   minimising ||Q(W diag(s)) (diag(s)^-1 X) - W X||² over the group's outputs (§3.3, Eq. 5);
+   minimising ||Q(W diag(s)) (diag(s)^-1 X) - W X||² over the group's outputs (§3.3, Eq. 5), or
+   with AWQConfig.objective = "module" over the attention or MLP output they feed (AutoAWQ);
 3. folds 1/s into the operation before (RMSNorm weight, v_proj rows, up_proj rows) and s into W,
    which leaves the unquantized model's function unchanged;
 4. optionally (AWQConfig.clip; off by default) searches a clipping ratio per output row and
@@ -53,6 +54,14 @@ class AWQConfig:
     weight magnitude per input channel (AutoAWQ's `duo_scaling`), besides s = 1.
     clip: the groups whose clipping is searched, comma- or plus-separated ("o", "gate_up", "down";
     q and k never); empty (the default) searches none, see the module docstring.
+    objective: what the α search scores for q/k/v and gate/up. "linear": the group's own outputs
+    (Eq. 5 as written). "module": the output of the module they feed, attention through o_proj
+    for q/k/v and the whole MLP for gate/up (AutoAWQ's `module2inspect`), so that an error in q
+    or k is weighed by what it does to the attention output. down and o score their own outputs
+    either way. On the built-in 0.5B, "module" picks the same α (mostly 0) and the same held-out
+    perplexity as "linear" at 5x the search time (benchmarks/awq_ablation.py, BENCHMARKS.md), so
+    "linear" is the default. module_samples: calibration sequences (whole, since attention needs
+    them) used by the module objective.
     seed: the shuffle of calibration documents."""
 
     method: str = "awq"
@@ -65,9 +74,13 @@ class AWQConfig:
     skip_first: int = 0
     duo: bool = False
     clip: str = ""
+    objective: str = "linear"
+    module_samples: int = 8
     seed: int = 0
 
     def __post_init__(self):
+        if self.objective not in ("linear", "module"):
+            raise ValueError(f"objective: must be linear or module (got {self.objective!r})")
         bad = [g for g in self.clip_groups if g not in CLIP_GROUPS]
         if bad:
             raise ValueError(f"clip: unknown group(s) {', '.join(bad)}; use {', '.join(CLIP_GROUPS)}")
@@ -127,15 +140,20 @@ def _out_error(x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor) -> float:
     return (x.to(torch.bfloat16) @ d.t()).float().pow(2).mean().item()
 
 
-def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQConfig) -> tuple[torch.Tensor, float]:
+def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQConfig,
+                 error=None) -> tuple[torch.Tensor, float]:
     """Best per-input-channel scale s [in] for the stacked weights w [out, in] of one group.
 
     x: sampled inputs [N, in] float32; x_mean: mean |x| per channel over all calibration tokens.
+    error: optional callable scoring a candidate dequantized weight [out, in] (AttentionProbe,
+    MLPProbe); by default the group's own output error on x.
     Returns (s, α). s = 1 (reported as α = 0) is always a candidate, so AWQ never does worse than
     RTN on this objective.
     """
+    if error is None:
+        error = lambda w_q: _out_error(x, w_q, w)  # noqa: E731
     ones = torch.ones_like(x_mean)
-    best = (_out_error(x, fake_quantize(w, qc.group_size, qc.bits), w), ones, 0.0)
+    best = (error(fake_quantize(w, qc.group_size, qc.bits)), ones, 0.0)
     w_mean = None
     if qc.duo:
         wa = w.abs().view(-1, qc.group_size)
@@ -147,11 +165,71 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
             s = s / (w_mean.pow(1 - alpha) + 1e-4)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        w_q = fake_quantize(w * s, qc.group_size, qc.bits) / s
-        err = _out_error(x, w_q, w)
+        err = error(fake_quantize(w * s, qc.group_size, qc.bits) / s)
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
+
+
+def _bf16_mm(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [.., in] @ d [out, in]^T in bfloat16, returned in float32: for weight differences d."""
+    return (x.to(torch.bfloat16) @ d.to(torch.bfloat16).t()).float()
+
+
+class AttentionProbe:
+    """Output error of attention (through o_proj) when q/k/v weights change, on fixed inputs.
+
+    h: attention-norm output [B, T, hidden] float32 (whole sequences from position 0); w: the
+    block's HF-named weights without prefix. Each call takes a stacked [q; k; v] weight and returns
+    the mean squared difference of the o_proj output from the float block's. Projections of the
+    weight difference run in bfloat16 (it is a difference, see the module docstring); attention
+    itself runs in float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: dict, h: torch.Tensor, cos, sin):
+        self.cfg, self.h, self.cos, self.sin = cfg, h, cos, sin
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.w = torch.cat([w[n + ".weight"] for n in names])
+        bias = [w.get(n + ".bias") for n in names]
+        self.qkv = F.linear(h, self.w, torch.cat(bias) if all(b is not None for b in bias) else None)
+        self.wo = w["self_attn.o_proj.weight"]
+        self.ref = self._attend(self.qkv)
+
+    def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = _rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), self.cos, self.sin)
+        k = _rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), self.cos, self.sin)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return a.transpose(1, 2).reshape(B, T, c.q_size)
+
+    def __call__(self, w_q: torch.Tensor) -> float:
+        a = self._attend(self.qkv + _bf16_mm(self.h, w_q - self.w))
+        return _bf16_mm(a - self.ref, self.wo).pow(2).mean().item()
+
+
+class MLPProbe:
+    """Output error of the MLP (through down_proj) when gate/up weights change, on fixed inputs.
+
+    h: MLP-norm output [N, hidden] float32; w: the block's HF-named weights without prefix. Each
+    call takes a stacked [gate; up] weight and returns the mean squared difference of down_proj's
+    output from the float block's.
+    """
+
+    def __init__(self, w: dict, h: torch.Tensor):
+        self.h = h
+        self.w = torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])
+        self.gu = F.linear(h, self.w)
+        self.n = w["mlp.gate_proj.weight"].shape[0]
+        self.wd = w["mlp.down_proj.weight"]
+        g, u = self.gu.split(self.n, -1)
+        self.act = F.silu(g) * u
+
+    def __call__(self, w_q: torch.Tensor) -> float:
+        g, u = (self.gu + _bf16_mm(self.h, w_q - self.w)).split(self.n, -1)
+        return _bf16_mm(F.silu(g) * u - self.act, self.wd).pow(2).mean().item()
 
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, qc: AWQConfig) -> torch.Tensor:
@@ -224,6 +302,7 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
     search_idx = valid[torch.arange(0, len(valid), max(1, len(valid) // qc.search_tokens))[: qc.search_tokens]]
     clip_idx = valid[torch.arange(0, len(valid), max(1, len(valid) // qc.clip_tokens))[: qc.clip_tokens]]
     skipped = {s.split(":")[0] for s in report.skipped}
+    n_mod = max(1, min(B, qc.module_samples))
     bar = tqdm(range(cfg.num_layers), desc="awq", unit="block", disable=not progress)
     for i in bar:
         p = f"model.layers.{i}."
@@ -245,7 +324,13 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
             feat = feats[key]
             x_mean = feat[valid].abs().mean(0)
             stacked = torch.cat([w[n + ".weight"] for n in names])
-            s, alpha = search_scale(feat[search_idx], x_mean, stacked, qc)
+            probe = None
+            if qc.objective == "module" and key == "qkv":
+                probe = AttentionProbe(cfg, w, feat.view(B, T, -1)[:n_mod], cos, sin)
+            elif qc.objective == "module" and key == "gate_up":
+                probe = MLPProbe(w, feat.view(B, T, -1)[:n_mod].reshape(-1, feat.shape[1]))
+            s, alpha = search_scale(feat[search_idx], x_mean, stacked, qc, probe)
+            del probe
             chosen[key] = alpha
             for n in names:
                 w[n + ".weight"] = w[n + ".weight"] * s

@@ -1,0 +1,117 @@
+"""Does the planner predict the engine? Predictions first, written to a file, then the runs.
+
+For each configuration (three mixes, and one held back while the cost model was built: a KV
+budget small enough to force preemption) the planner simulates `mixserve bench` (every request
+queued at t = 0, outputs generated to max_tokens) with step times taken only from a saved
+`mixserve hw probe` profile. The predictions are written to `<out>.predictions.json` before any
+engine runs; then each configuration runs through the real `mixserve bench` CLI in a subprocess,
+and predicted output-token throughput and median TPOT are compared (target: within 15%).
+
+    python benchmarks/plan_vs_engine.py --model qwen2.5-coder-0.5b-instruct \
+        --profile results/hw-qwen05.json --out results/plan_vs_engine.json
+
+Without an existing --profile, `mixserve hw probe` runs first and saves it there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name, dataset, requests, KV budget; the last one was not used while building the model
+CONFIGS = [
+    ("sharegpt", "sharegpt", 64, "512MiB"),
+    ("humaneval", "humaneval", 64, "512MiB"),
+    ("synthetic long prompt / short output", "SYNTH", 16, "512MiB"),
+    ("sharegpt, 24 MiB KV (preemption; unseen)", "sharegpt", 64, "24MiB"),
+]
+
+
+def run(cmd: list[str]) -> None:
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--profile", required=True, help="hw probe profile (made here when missing)")
+    ap.add_argument("--out", default="results/plan_vs_engine.json")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--output-len-cap", type=int, default=256)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every request count (smoke runs)")
+    a = ap.parse_args()
+
+    from mixserve.cli import machine_info
+    from mixserve.engine.llm_engine import parse_bytes
+    from mixserve.models.config import ModelConfig
+    from mixserve.models.loader import convert_gguf
+    from mixserve.models.registry import resolve_model
+    from mixserve.plan.hardware import load_step_model
+    from mixserve.plan.planner import PlanSettings, Planner, Variant, trace_requests
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    exe = [sys.executable, "-m", "mixserve.cli"]
+    if not Path(a.profile).is_file():
+        run(exe + ["hw", "probe", "--model", a.model, "--out", a.profile])
+    synth = out.with_suffix(".synthetic.jsonl")
+    if not synth.is_file():
+        run(exe + ["mix", "sample", "--source", "synthetic-long-prompt", "--num", "64", "--seed", "0",
+                   "--out", str(synth)])
+
+    r = resolve_model(a.model)
+    cfg = ModelConfig.from_folder(convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path)
+    sm, hw = load_step_model(a.profile, cfg)
+    configs = [(n, str(synth) if d == "SYNTH" else d, max(2, round(k * a.scale)), kv) for n, d, k, kv in CONFIGS]
+
+    preds = {"made_at": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": a.profile, "machine": machine_info(),
+             "configs": {}}
+    for name, ds, num, kv in configs:
+        reqs = trace_requests(ds, a.model, num, 0, a.output_len_cap, 1024)
+        ps = PlanSettings(kv_bytes=parse_bytes(kv), max_model_len=a.max_model_len, slo={})
+        res = Planner(cfg, sm, hw, reqs, ps).run(Variant("baseline"))
+        rep = res.report
+        preds["configs"][name] = {"dataset": ds, "num_prompts": num, "kv_cache_memory": kv,
+                                  "output_tokens_per_s": rep["output_tokens_per_s"],
+                                  "tpot_p50_s": rep["tpot_s"]["p50"], "ttft_p50_s": rep["ttft_s"]["p50"],
+                                  "duration_s": rep["duration_s"], "preemptions": res.num_preemptions,
+                                  "peak_kv_blocks": res.peak_kv_blocks}
+        print(f"predicted {name}: {rep['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
+              f"{rep['tpot_s']['p50'] * 1e3:.1f} ms, {res.preemptions} preemptions", flush=True)
+    pred_path = out.with_suffix(".predictions.json")
+    pred_path.write_text(json.dumps(preds, indent=1))
+    print(f"wrote {pred_path} (before any measured run)", flush=True)
+
+    rows = []
+    for i, (name, ds, num, kv) in enumerate(configs):
+        mpath = out.with_suffix(f".bench{i}.json")
+        run(exe + ["bench", "--model", a.model, "--dataset", ds, "--num-prompts", str(num), "--kv-cache-memory", kv,
+                   "--max-model-len", str(a.max_model_len), "--output-len-cap", str(a.output_len_cap),
+                   ""--output", str(mpath)])
+        m = json.loads(mpath.read_text())
+        p = preds["configs"][name]
+        row = {"config": name, "pred_out_tok_s": p["output_tokens_per_s"], "meas_out_tok_s": m["output_tokens_per_s"],
+               "pred_tpot_p50_ms": 1e3 * p["tpot_p50_s"], "meas_tpot_p50_ms": 1e3 * m["tpot_s"]["p50"],
+               "pred_preemptions": p["preemptions"], "meas_preemptions": m["extra"]["preemptions"]}
+        row["throughput_err_pct"] = 100 * (row["pred_out_tok_s"] / row["meas_out_tok_s"] - 1)
+        row["tpot_err_pct"] = 100 * (row["pred_tpot_p50_ms"] / row["meas_tpot_p50_ms"] - 1)
+        row["within_15pct"] = abs(row["throughput_err_pct"]) <= 15 and abs(row["tpot_err_pct"]) <= 15
+        rows.append(row)
+        out.write_text(json.dumps({"predictions": preds, "rows": rows, "machine": machine_info()}, indent=1))
+
+    print(f"\n{'config':44} {'out tok/s pred':>14} {'meas':>8} {'err':>7} {'TPOT p50 pred':>14} {'meas':>8} "
+          f"{'err':>7} {'preempt p/m':>12}")
+    for r in rows:
+        print(f"{r['config']:44} {r['pred_out_tok_s']:14.1f} {r['meas_out_tok_s']:8.1f} {r['throughput_err_pct']:+6.1f}% "
+              f"{r['pred_tpot_p50_ms']:12.1f}ms {r['meas_tpot_p50_ms']:6.1f}ms {r['tpot_err_pct']:+6.1f}% "
+              f"{r['pred_preemptions']:>5}/{r['meas_preemptions']:<5}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
