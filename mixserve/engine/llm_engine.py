@@ -191,6 +191,12 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
         if not done.exists():
             raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint and no default AWQ run is cached; "
                              f"run `mixserve quantize --model {spec}` (AWQ is never replaced by RTN)")
+        from dataclasses import asdict
+
+        if json.loads(done.read_text()).get("config") != asdict(AWQConfig()):
+            # e.g. made by an older mixserve whose default AWQ searched clipping
+            raise ValueError(f"quantization awq: the cached run {cached} was made with other AWQ settings than "
+                             f"today's default; run `mixserve quantize --model {spec}` again, or load the folder")
         folder = cached
         cfg = ModelConfig.from_folder(folder)
         quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))

@@ -203,7 +203,7 @@ def test_checkpoint_reloads_with_identical_outputs(tmp_path):
     assert (a - dense).norm() / dense.norm() < 0.2
 
 
-def test_rtn_at_load_equals_an_rtn_checkpoint(tmp_path):
+def test_rtn_at_load_equals_an_rtn_checkpoint(tmp_path, monkeypatch):
     from mixserve.engine.llm_engine import load_model
 
     cfg = tiny_cfg()
@@ -227,6 +227,19 @@ def test_rtn_at_load_equals_an_rtn_checkpoint(tmp_path):
         load_model(str(dense_dir), torch.float32, 256, progress=False, quantization="awq")
     with pytest.raises(ValueError, match="already an AWQ checkpoint"):
         load_model(str(folder), torch.float32, 256, progress=False, quantization="rtn")
+
+    # a cached default run made with other settings (an older default that clipped) is refused
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    from dataclasses import asdict
+
+    from mixserve.quant.checkpoint import default_out_dir
+
+    cached = default_out_dir(str(dense_dir), AWQConfig(), "pystdlib", 32, 512)
+    cached.mkdir(parents=True)
+    stale = {k: v for k, v in asdict(AWQConfig()).items() if k not in ("clip", "objective", "module_samples")}
+    (cached / "mixserve_quant.json").write_text(json.dumps({"source": str(dense_dir.resolve()), "config": stale}))
+    with pytest.raises(ValueError, match="other AWQ settings"):
+        load_model(str(dense_dir), torch.float32, 256, progress=False, quantization="awq")
 
 
 def test_quantization_config_is_checked():
