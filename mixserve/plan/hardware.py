@@ -70,6 +70,23 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int):
     return Int4Linear(q, s, z, group_size, None, dtype)
 
 
+def _recheck(lin, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int) -> list[int]:
+    """A matmul never gets much faster with more rows, so a point over twice the time of the next
+    larger one was disturbed (another process, a thread wake-up): time it again, keeping the
+    smaller median, up to twice. Updates ts in place; returns the rows still out of order."""
+    suspect = []
+    for i in range(len(rows) - 2, -1, -1):
+        for _ in range(2):
+            if ts[i] <= 2 * ts[i + 1]:
+                break
+            x = torch.randn(rows[i], in_features).to(dtype)
+            with torch.inference_mode():
+                ts[i] = min(ts[i], _time(lambda: lin(x), 2 * repeats))
+        if ts[i] > 2 * ts[i + 1]:
+            suspect.append(rows[i])
+    return sorted(suspect)
+
+
 def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, repeats: int,
                   group_size: int = 128, log=print) -> dict:
     """{format: {shape: {"rows": [...], "seconds": [...]}}}: median seconds of one call."""
@@ -92,8 +109,13 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 with torch.inference_mode():
                     # few repeats for the big calls: their spread is small relative to their time
                     ts.append(_time(lambda: lin(x), repeats if r * s.numel < 2e9 else max(1, repeats // 2)))
+            suspect = _recheck(lin, rows, ts, s.in_features, dtype, repeats)
             out[fmt][s.name] = {"rows": list(rows), "seconds": ts, "out_features": s.out_features,
                                 "in_features": s.in_features}
+            if suspect:
+                out[fmt][s.name]["suspect_rows"] = suspect
+                log(f"  warning: {fmt} {s.name}: fewer rows still timed slower than more at rows {suspect} after "
+                    "re-measuring; the host is probably busy, and a plan from this profile will be off")
             log(f"  {fmt:5} {s.name:8} [{s.out_features}x{s.in_features}] "
                 + " ".join(f"{r}:{t * 1e3:.2f}ms" for r, t in zip(rows, ts)))
     return {f: out[f] for f in formats}

@@ -164,12 +164,16 @@ class Planner:
         return self.run(v, None, [one]).report["tpot_s"]["p50"]
 
     def evaluate(self, v: Variant, find_rate: bool = True) -> dict:
-        off = self.run(v)
+        # capacity is measured as `mixserve bench` does, every request queued at t = 0, whatever
+        # arrival times the trace carries (those are replayed separately, under "trace_arrivals")
+        off = self.run(v, reqs=[replace(r, arrival_s=0.0) for r in self.reqs])
         out = {"variant": v.name, "format": v.fmt.name, "allocator": v.allocator,
                "reserve": v.reserve if v.allocator == "contiguous" else None,
                "spec": None if v.spec is None else vars(v.spec),
                "kv_blocks": self.sim_config(v).num_blocks, "offline": off.report,
                "single_stream_tpot_s": self.single_stream_tpot(v)}
+        if any(r.arrival_s > 0 for r in self.reqs):
+            out["trace_arrivals"] = self.run(v).report
         if find_rate and self.ps.slo:
             mr = self.max_rate(v, off)
             out["max_rate"] = {"rate_per_s": mr["rate"], "limit": mr["limit"], "at_rate": mr["result"].report,
@@ -321,7 +325,8 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
                      "max_rate_limit": base.get("max_rate", {}).get("limit"),
                      "at_max_rate": {k: base.get("max_rate", {}).get("at_rate", {}).get(k)
                                      for k in ("ttft_s", "tpot_s", "e2e_s", "output_tokens_per_s")},
-                     "offline": {k: base["offline"][k] for k in ("ttft_s", "tpot_s", "e2e_s", "duration_s")}},
+                     "offline": {k: base["offline"][k] for k in ("ttft_s", "tpot_s", "e2e_s", "duration_s")},
+                     "trace_arrivals": base.get("trace_arrivals")},
         "binding": bind,
         "ranking": rows,
         "variants": {n: {k: v for k, v in e.items() if not k.startswith("_")} for n, e in evals.items()},

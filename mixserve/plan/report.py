@@ -27,7 +27,10 @@ def format_table(plan: dict) -> str:
              f"{kv['peak_bytes_offline'] / 2**20:.0f} MiB offline, {kv['peak_bytes_at_max_rate'] / 2**20:.0f} MiB "
              f"at the max rate; all requests at once would need {kv['all_requests_at_once_bytes'] / 2**20:.0f} MiB",
              f"throughput (all queued at t=0): {b['throughput_output_tokens_per_s']:.1f} output tokens/s",
-             f"max sustainable rate under {slo}: {b['max_rate_per_s']:.3f} requests/s"
+             *([f"the trace's own arrival times replayed: {b['trace_arrivals']['output_tokens_per_s']:.1f} output "
+                f"tokens/s, TTFT p50 {_ms(b['trace_arrivals']['ttft_s']['p50'])} ms, TPOT p50 "
+                f"{_ms(b['trace_arrivals']['tpot_s']['p50'])} ms"] if b.get("trace_arrivals") else []),
+             f"max sustainable rate under {slo} (Poisson arrivals): {b['max_rate_per_s']:.3f} requests/s"
              + (" (the engine's capacity on this trace: the SLO holds up to it)"
                 if b.get("max_rate_limit") == "capacity" else "")]
     at = b["at_max_rate"]

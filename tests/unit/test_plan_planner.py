@@ -134,3 +134,33 @@ def test_binding_roofline():
     d = binding(CFG, sm, {}, StepBatch([512], [], 1))
     p = binding(CFG, sm, {}, StepBatch([], [(2048, 2048)], 1))
     assert d["bound"] == "bandwidth" and p["bound"] == "compute"
+
+
+def test_capacity_is_measured_with_every_request_at_t0_even_when_the_trace_has_arrivals():
+    ps = PlanSettings(kv_bytes=64 << 20, slo={})
+    reqs = [SimRequest(100, 20, 0.0, "a") for _ in range(6)]
+    late = [SimRequest(100, 20, 30.0 * i, "a") for i in range(6)]  # one request every 30 s
+    sm = MeasuredModel(CFG, fake_profile())
+    at0 = Planner(CFG, sm, {}, reqs, ps).evaluate(Variant("base"), find_rate=False)
+    spread = Planner(CFG, sm, {}, late, ps).evaluate(Variant("base"), find_rate=False)
+    assert spread["offline"]["output_tokens_per_s"] == pytest.approx(at0["offline"]["output_tokens_per_s"])
+    # the replayed arrivals are reported beside it, and are far slower (the trace spans 150 s)
+    assert spread["trace_arrivals"]["duration_s"] > 150
+    assert "trace_arrivals" not in at0
+    plan, _ = make_plan(CFG, sm, {"kind": "measured", "label": "measured here", "model": "fake"}, late, ps,
+                        SpecSettings(0.7, 3), log=lambda m: None)
+    assert "arrival times replayed" in format_table(plan)
+
+
+def test_probe_retimes_points_that_are_slower_than_more_rows():
+    import time
+
+    import torch
+
+    from mixserve.plan.hardware import _recheck
+
+    ts = [1.0, 1e-3, 1e-3]  # rows 1 was disturbed: 1 s against 1 ms at rows 2
+    assert _recheck(lambda x: x.sum(), [1, 2, 4], ts, 8, torch.float32, 3) == []
+    assert ts[0] < 2e-3 and ts[1:] == [1e-3, 1e-3]
+    ts = [1.0, 1e-4]  # a call that really takes 10 ms stays out of order, and is reported
+    assert _recheck(lambda x: time.sleep(0.01), [1, 2], ts, 8, torch.float32, 2) == [1]
