@@ -91,7 +91,7 @@ def main() -> int:
         mpath = out.with_suffix(f".bench{i}.json")
         run(exe + ["bench", "--model", a.model, "--dataset", ds, "--num-prompts", str(num), "--kv-cache-memory", kv,
                    "--max-model-len", str(a.max_model_len), "--output-len-cap", str(a.output_len_cap),
-                   ""--output", str(mpath)])
+                   "--output", str(mpath)])
         m = json.loads(mpath.read_text())
         p = preds["configs"][name]
         row = {"config": name, "pred_out_tok_s": p["output_tokens_per_s"], "meas_out_tok_s": m["output_tokens_per_s"],
