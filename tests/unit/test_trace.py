@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from mixserve.bench.datasets import BenchRequest, count_tokens, load_jsonl, synthetic_prompt
+from mixserve.bench.datasets import MAX_TRACE_PROMPT_TOKENS, BenchRequest, count_tokens, load_jsonl, \
+    synthetic_prompt
 from mixserve.bench.trace import add_arrivals, describe_requests, format_description, plot_histograms, \
     sample_requests, write_trace
 from mixserve.cli import main
@@ -84,6 +85,20 @@ def test_prompt_tokens_needs_a_tokenizer(tmp_path):
     _write(p, [{"prompt_tokens": 5}])
     with pytest.raises(ValueError, match=r"t\.jsonl:1: 'prompt_tokens' needs a tokenizer"):
         load_jsonl(p)
+
+
+def test_huge_prompt_tokens_and_non_utf8_name_the_line(tmp_path):
+    # 1e8 tokens once made synthetic_prompt build a 100M-word text: the tokenizer died of memory
+    p = tmp_path / "huge.jsonl"
+    _write(p, [{"prompt_tokens": 5}, {"prompt_tokens": MAX_TRACE_PROMPT_TOKENS + 1}])
+    with pytest.raises(ValueError, match=rf"huge\.jsonl:2: 'prompt_tokens' must be at most {MAX_TRACE_PROMPT_TOKENS}"):
+        load_jsonl(p, tokenizer=TOK)
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 16\)"):
+        load_jsonl(p, tokenizer=TOK)
+    p.write_bytes(b'{"prompt": "ok"}\r\n\r\n{"prompt": "caf\xc3\xa9"}\r\n')  # CRLF and UTF-8 still read
+    assert [r.prompt for r in load_jsonl(p)] == ["ok", "caf\u00e9"]
 
 
 def _req(plen, out, arrival=None, tag="a"):
