@@ -72,6 +72,16 @@ def test_load_step_model(tmp_path):
         load_step_model(str(p), other)
     with pytest.raises(ValueError, match="hardware"):
         load_step_model("tpu-v9", CFG)
+    # damaged profiles are errors naming --hardware, not a KeyError traceback from MeasuredModel
+    broken = {"no linear": {**fake_profile(), "linear": None}, "no attention": {"config": CFG.as_dict()},
+              "list": [fake_profile()], "newer": {**fake_profile(), "version": 99}}
+    for what, prof in broken.items():
+        p.write_text(json.dumps(prof))
+        with pytest.raises(ValueError, match="hardware: .*prof.json"):
+            load_step_model(str(p), CFG)
+    p.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="hardware: .*prof.json is not a `mixserve hw probe` profile"):
+        load_step_model(str(p), CFG)
 
 
 def test_parse_slo():
