@@ -144,3 +144,21 @@ def test_binding_roofline():
     d = binding(CFG, sm, {}, StepBatch([512], [], 1))
     p = binding(CFG, sm, {}, StepBatch([], [(2048, 2048)], 1))
     assert d["bound"] == "bandwidth" and p["bound"] == "compute"
+
+
+def test_plan_requests_that_never_fit():
+    # CFG keeps 12 KiB of KV a token: 2 MiB = 170 tokens, less than one max-model-len region
+    sm = MeasuredModel(CFG, fake_profile())
+    hw = {"kind": "measured", "label": "measured here", "model": "fake", "bandwidth_bytes_per_s": 20e9}
+    reqs = [SimRequest(20, 10), SimRequest(30, 20), SimRequest(4000, 200)]
+    ps = PlanSettings(kv_bytes=2 << 20, max_model_len=4096, slo=parse_slo("ttft_p99=3s"), bisect_iters=3)
+    logged = []
+    # once: "simulator: nothing can be scheduled" (RuntimeError) from the contiguous max-model-len variant
+    plan, _ = make_plan(CFG, sm, hw, reqs, ps, SpecSettings(0.7, 3), log=logged.append)
+    assert plan["trace"]["rejected"] == 1 and any("1 of 3 requests never fit" in m for m in logged)
+    contig = plan["variants"]["contiguous, reserve max-model-len"]
+    assert contig["offline"]["extra"]["rejected"] == 3 and "max_rate" not in contig
+    assert plan["variants"]["baseline (paged, bf16)"]["offline"]["num_requests"] == 2
+    # once: NaN throughput and rates, then matplotlib's "Data cannot be log-scaled"
+    with pytest.raises(ValueError, match="trace: none of the 1 requests fits: the shortest needs 4200 tokens"):
+        make_plan(CFG, sm, hw, reqs[2:], ps, SpecSettings(0.7, 3), log=logged.append)
