@@ -23,13 +23,20 @@ _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 def parse_slo(text: str | None) -> dict:
     """'ttft_p99=2s,tpot_p99=200ms' -> {"ttft_p99": 2.0, "tpot_p99": 0.2} (seconds).
-    Keys: ttft_p50|p90|p99, tpot_p50|p90|p99. Raises ValueError naming the bad part."""
+    Keys: ttft_p50|p90|p99, tpot_p50|p90|p99, each once, limits > 0. Raises ValueError naming the bad part."""
     out = {}
     for part in filter(None, (text or "").split(",")):
         m = re.fullmatch(r"\s*(ttft|tpot)_p(50|90|99)\s*=\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", part)
         if not m:
             raise ValueError(f"slo: cannot read {part!r}; use e.g. ttft_p99=2s,tpot_p99=200ms")
-        out[f"{m.group(1)}_p{m.group(2)}"] = float(m.group(3)) * _TIME_UNITS[m.group(4) or "s"]
+        key, value = f"{m.group(1)}_p{m.group(2)}", float(m.group(3)) * _TIME_UNITS[m.group(4) or "s"]
+        # a 0 limit is never met (the plan would report rate 0 as if the hardware were too slow);
+        # a key given twice is a typo for another percentile, not "the last one wins"
+        if not value > 0:
+            raise ValueError(f"slo: {part.strip()!r} must be a time > 0")
+        if key in out:
+            raise ValueError(f"slo: {key} given twice")
+        out[key] = value
     return out
 
 

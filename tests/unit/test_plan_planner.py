@@ -88,6 +88,10 @@ def test_parse_slo():
     assert parse_slo("ttft_p99=2s, tpot_p50=150ms") == {"ttft_p99": 2.0, "tpot_p50": 0.15}
     with pytest.raises(ValueError, match="slo"):
         parse_slo("latency=3")
+    with pytest.raises(ValueError, match="slo: 'ttft_p99=0ms' must be a time > 0"):
+        parse_slo("ttft_p99=0ms,tpot_p99=1s")
+    with pytest.raises(ValueError, match="slo: ttft_p99 given twice"):
+        parse_slo("ttft_p99=2s,ttft_p99=1s")
 
 
 def trace(n=40):
