@@ -169,3 +169,10 @@ def test_cli_sample_is_deterministic(tmp_path, capsys):
     assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 12
     assert main(["mix", "sample", "--source", "humaneval", "--num", "0", "--out", str(tmp_path / "c.jsonl")]) == 2
     assert "num: must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_unwritable_out_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "t.jsonl").mkdir()  # once: IsADirectoryError escaped main as a traceback
+    assert main(["mix", "sample", "--source", "synthetic-long-prompt", "--num", "2", "--out",
+                 str(tmp_path / "t.jsonl")]) == 2
+    assert "mixserve mix: error: [Errno 21] Is a directory" in capsys.readouterr().err
