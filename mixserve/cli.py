@@ -566,7 +566,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    # OSError: any path given on the command line (an --out that is a folder, no permission), not
+    # only a missing one, is the user's to fix: a message naming it, not a traceback
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"mixserve {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -43,6 +43,7 @@ __all__ = [
     "load_humaneval_rows",
     "load_humaneval",
     "load_jsonl",
+    "MAX_TRACE_PROMPT_TOKENS",
     "load_dataset",
     "count_tokens",
     "synthetic_prompt",
@@ -550,6 +551,12 @@ def load_humaneval(
 # --------------------------------------------------------------------------
 
 
+# Longest prompt a trace line may ask for by length: above every context length served here, and
+# small enough that building the text (synthetic_prompt tokenizes it whole) stays in memory. A
+# typo such as 1e8 would otherwise take the tokenizer's memory until the process dies.
+MAX_TRACE_PROMPT_TOKENS = 1 << 20
+
+
 def _positive_int(value: Any, what: str, where: str) -> int:
     # bool is an int subclass; "max_tokens": true is surely a mistake.
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -576,16 +583,22 @@ def load_jsonl(
     - ``arrival_s``: optional, seconds (>= 0) from the start of the trace.
     - ``tag``: optional slice name (default "jsonl").
 
-    Blank lines are skipped. Any bad line raises ValueError naming
-    ``path:line`` and the field. ``prompt_len`` is -1 when a text prompt is
+    Blank lines are skipped. Any bad line (also one that is not UTF-8, or
+    ``prompt_tokens`` over ``MAX_TRACE_PROMPT_TOKENS``) raises ValueError
+    naming ``path:line`` and the field. ``prompt_len`` is -1 when a text prompt is
     read without a tokenizer.
     """
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # bytes, decoded line by line: a file that is not UTF-8 is an error naming its line
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -597,6 +610,8 @@ def load_jsonl(
                 if prompt is not None:
                     raise ValueError(f"{where}: give 'prompt' or 'prompt_tokens', not both")
                 plen = _positive_int(obj["prompt_tokens"], "'prompt_tokens'", where)
+                if plen > MAX_TRACE_PROMPT_TOKENS:
+                    raise ValueError(f"{where}: 'prompt_tokens' must be at most {MAX_TRACE_PROMPT_TOKENS}, got {plen}")
                 if tokenizer is None:
                     raise ValueError(f"{where}: 'prompt_tokens' needs a tokenizer to make a prompt of that length")
                 try:

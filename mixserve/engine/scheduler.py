@@ -109,7 +109,19 @@ class Scheduler:
                 continue
             break
         # Admit new work only when nothing was preempted: otherwise it would take the blocks back.
-        while not out.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not out.num_preempted:
+            budget = self._admit(out, budget)
+            # A waiting sequence may hold blocks: a parallel sample (n > 1) released with its
+            # leader's prompt blocks, queued behind sequences preempted later. With nothing
+            # running, nothing would ever free them and the head could wait forever (the engine
+            # stepped without progress): they give their blocks back and recompute, as preempted.
+            if not out.scheduled and not self.running and self._release_waiting_blocks():
+                self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences in order while they fit; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             # from 0, except a parallel sample that shares its leader's prompt blocks
@@ -122,7 +134,18 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return out
+        return budget
+
+    def _release_waiting_blocks(self) -> bool:
+        """Free the blocks of every waiting sequence that holds some (it recomputes from 0).
+        Returns whether any did."""
+        freed = False
+        for seq in self.waiting:
+            if self.bm.tables.get(seq.seq_id):
+                self._free(seq)
+                seq.num_computed_tokens = 0
+                freed = True
+        return freed
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

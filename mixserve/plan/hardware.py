@@ -309,16 +309,25 @@ def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[Step
     if not p.is_file():
         raise ValueError(f"hardware: {hardware!r} is neither a profile file nor one of {sorted(ACCELERATORS)}")
     try:
-        prof = json.loads(p.read_text())
+        prof = json.loads(p.read_text(encoding="utf-8"))
         pcfg = ModelConfig(**prof["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # ValueError: bad JSON or not UTF-8
         raise ValueError(f"hardware: {hardware} is not a `mixserve hw probe` profile ({e})") from None
+    if prof.get("version", PROFILE_VERSION) != PROFILE_VERSION:
+        raise ValueError(f"hardware: {hardware} is a profile of version {prof.get('version')!r}, this mixserve "
+                         f"reads version {PROFILE_VERSION}; run `mixserve hw probe` again")
     if cfg is not None:
         mine = [(s.name, s.out_features, s.in_features) for s in linear_shapes(cfg)] + [cfg.num_layers]
         theirs = [(s.name, s.out_features, s.in_features) for s in linear_shapes(pcfg)] + [pcfg.num_layers]
         if mine != theirs:
             raise ValueError(f"hardware: {hardware} was measured for {prof.get('model')!r}, whose shapes differ "
                              "from the model planned for; run `mixserve hw probe --model` for it")
-    return MeasuredModel(pcfg, prof), {"kind": "measured", "label": "measured here", "model": prof.get("model"),
+    try:
+        sm = MeasuredModel(pcfg, prof)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        # a truncated or hand-edited profile: name what is missing instead of a traceback
+        raise ValueError(f"hardware: {hardware} is not a complete `mixserve hw probe` profile "
+                         f"({type(e).__name__}: {e})") from None
+    return sm, {"kind": "measured", "label": "measured here", "model": prof.get("model"),
                                        "machine": prof.get("machine"),
                                        "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s")}

@@ -23,13 +23,20 @@ _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 def parse_slo(text: str | None) -> dict:
     """'ttft_p99=2s,tpot_p99=200ms' -> {"ttft_p99": 2.0, "tpot_p99": 0.2} (seconds).
-    Keys: ttft_p50|p90|p99, tpot_p50|p90|p99. Raises ValueError naming the bad part."""
+    Keys: ttft_p50|p90|p99, tpot_p50|p90|p99, each once, limits > 0. Raises ValueError naming the bad part."""
     out = {}
     for part in filter(None, (text or "").split(",")):
         m = re.fullmatch(r"\s*(ttft|tpot)_p(50|90|99)\s*=\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)?\s*", part)
         if not m:
             raise ValueError(f"slo: cannot read {part!r}; use e.g. ttft_p99=2s,tpot_p99=200ms")
-        out[f"{m.group(1)}_p{m.group(2)}"] = float(m.group(3)) * _TIME_UNITS[m.group(4) or "s"]
+        key, value = f"{m.group(1)}_p{m.group(2)}", float(m.group(3)) * _TIME_UNITS[m.group(4) or "s"]
+        # a 0 limit is never met (the plan would report rate 0 as if the hardware were too slow);
+        # a key given twice is a typo for another percentile, not "the last one wins"
+        if not value > 0:
+            raise ValueError(f"slo: {part.strip()!r} must be a time > 0")
+        if key in out:
+            raise ValueError(f"slo: {key} given twice")
+        out[key] = value
     return out
 
 
@@ -164,17 +171,21 @@ class Planner:
         return self.run(v, None, [one]).report["tpot_s"]["p50"]
 
     def evaluate(self, v: Variant, find_rate: bool = True) -> dict:
+        """Offline run, lone-stream TPOT and (with an SLO) the max rate of one variant. A variant
+        under which no request fits (e.g. a contiguous max-model-len region larger than the KV
+        cache) gets NaN figures and no rate search: there is nothing to run."""
         # capacity is measured as `mixserve bench` does, every request queued at t = 0, whatever
         # arrival times the trace carries (those are replayed separately, under "trace_arrivals")
         off = self.run(v, reqs=[replace(r, arrival_s=0.0) for r in self.reqs])
+        fits = len(off.rejected) < len(self.reqs)
         out = {"variant": v.name, "format": v.fmt.name, "allocator": v.allocator,
                "reserve": v.reserve if v.allocator == "contiguous" else None,
                "spec": None if v.spec is None else vars(v.spec),
                "kv_blocks": self.sim_config(v).num_blocks, "offline": off.report,
-               "single_stream_tpot_s": self.single_stream_tpot(v)}
-        if any(r.arrival_s > 0 for r in self.reqs):
+               "single_stream_tpot_s": self.single_stream_tpot(v) if fits else float("nan")}
+        if fits and any(r.arrival_s > 0 for r in self.reqs):
             out["trace_arrivals"] = self.run(v).report
-        if find_rate and self.ps.slo:
+        if find_rate and self.ps.slo and fits:
             mr = self.max_rate(v, off)
             out["max_rate"] = {"rate_per_s": mr["rate"], "limit": mr["limit"], "at_rate": mr["result"].report,
                                "curve": mr["curve"]}
@@ -282,6 +293,17 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         evals[v.name] = planner.evaluate(v)
     names = list(evals)
     base = evals[names[0]]
+    # requests the engine would refuse (check_request) are left out of every simulation: say so,
+    # and refuse to plan on nothing rather than report NaN rates
+    rejected = base["_offline"].rejected
+    if len(rejected) == len(reqs):
+        longest = min(r.prompt_tokens + r.output_tokens for r in reqs)
+        raise ValueError(f"trace: none of the {len(reqs)} requests fits: the shortest needs {longest} tokens "
+                         f"(prompt + max_tokens), over max_model_len {ps.max_model_len} or the KV cache of "
+                         f"{base['kv_blocks'] * ps.block_size} tokens; raise --max-model-len or --kv-cache-memory")
+    if rejected:
+        log(f"warning: {len(rejected)} of {len(reqs)} requests never fit (prompt + max_tokens over max_model_len "
+            f"{ps.max_model_len} or the KV cache) and are left out of the plan")
 
     def gain(e, key):
         b, x = key(base), key(e)
@@ -315,7 +337,7 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         "settings": {**{k: v for k, v in vars(ps).items()}, "spec": vars(spec)},
         "trace": {"num_requests": len(reqs), "prompt_tokens_p50": prompts[len(prompts) // 2],
                   "output_tokens_p50": outs[len(outs) // 2], "prompt_tokens_max": prompts[-1],
-                  "output_tokens_max": outs[-1]},
+                  "output_tokens_max": outs[-1], "rejected": len(rejected)},
         "kv": {"bytes_per_token": kv_tok, "budget_bytes": kv_budget(cfg, sm, ps, BF16, hw),
                "peak_blocks_offline": base["offline"]["extra"]["peak_kv_blocks"],
                "peak_bytes_offline": base["offline"]["extra"]["peak_kv_blocks"] * ps.block_size * kv_tok,

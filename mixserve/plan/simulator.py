@@ -177,8 +177,11 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     for i in order:
         r = requests[i]
         total = r.prompt_tokens + r.output_tokens
+        # a contiguous max-model-len region is taken whole: one larger than the cache never fits
+        # (the engine refuses to start then; here every request is refused instead of a deadlock)
+        region = cfg.max_model_len if cfg.allocator == "contiguous" and cfg.reserve == "max-model-len" else total
         if (r.prompt_tokens < 1 or r.output_tokens < 1 or total > cfg.max_model_len
-                or bm.blocks_for(total) > cfg.num_blocks):
+                or bm.blocks_for(max(total, region)) > cfg.num_blocks):
             rejected.append(i)
             continue
         pending.append(i)

@@ -160,3 +160,37 @@ def test_contiguous_engine_frees_everything_and_matches_paged(tiny_loaded, reser
         eng.abort("7")
         assert bm.num_free_blocks == bm.num_blocks
     assert outs["paged"] == outs["contiguous"]
+
+
+@pytest.mark.parametrize("alloc", ["paged", "contiguous"])
+def test_parallel_samples_under_kv_pressure_never_stall(tiny_loaded, alloc):
+    """n = 2 per prompt (samples share the prompt's blocks when paged) in a cache of 16 blocks.
+    Once: released samples waited, holding shared blocks, behind sequences preempted later; with
+    nothing running the head never fit and the engine stepped forever without progress."""
+    from mixserve import SamplingParams
+
+    folder, loaded = tiny_loaded
+    rng = random.Random(3)
+    prompts = [([rng.randrange(VOCAB) for _ in range(rng.randint(2, 14))] * 2)[:20] for _ in range(5)]
+    outs = {}
+    for share in (True, False):
+        eng = LLMEngine(_args(folder, kv_allocator=alloc), loaded)
+        ids = []
+        for i, p in enumerate(prompts):
+            lead = None
+            for _ in range(2):
+                sp = SamplingParams(temperature=0, max_tokens=32 - len(p) - i % 3, ignore_eos=True)
+                ids.append(eng.add_request(p, sp, share_prompt_with=lead if share else None))
+                lead = lead or ids[-1]
+        done = {}
+        for _ in range(500):
+            if not eng.has_unfinished():
+                break
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.token_ids
+        assert not eng.has_unfinished(), "the engine stalled"
+        bm = eng.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+        outs[share] = [done[i] for i in ids]
+    assert outs[True] == outs[False]

@@ -72,12 +72,26 @@ def test_load_step_model(tmp_path):
         load_step_model(str(p), other)
     with pytest.raises(ValueError, match="hardware"):
         load_step_model("tpu-v9", CFG)
+    # damaged profiles are errors naming --hardware, not a KeyError traceback from MeasuredModel
+    broken = {"no linear": {**fake_profile(), "linear": None}, "no attention": {"config": CFG.as_dict()},
+              "list": [fake_profile()], "newer": {**fake_profile(), "version": 99}}
+    for what, prof in broken.items():
+        p.write_text(json.dumps(prof))
+        with pytest.raises(ValueError, match="hardware: .*prof.json"):
+            load_step_model(str(p), CFG)
+    p.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="hardware: .*prof.json is not a `mixserve hw probe` profile"):
+        load_step_model(str(p), CFG)
 
 
 def test_parse_slo():
     assert parse_slo("ttft_p99=2s, tpot_p50=150ms") == {"ttft_p99": 2.0, "tpot_p50": 0.15}
     with pytest.raises(ValueError, match="slo"):
         parse_slo("latency=3")
+    with pytest.raises(ValueError, match="slo: 'ttft_p99=0ms' must be a time > 0"):
+        parse_slo("ttft_p99=0ms,tpot_p99=1s")
+    with pytest.raises(ValueError, match="slo: ttft_p99 given twice"):
+        parse_slo("ttft_p99=2s,ttft_p99=1s")
 
 
 def trace(n=40):
@@ -164,3 +178,21 @@ def test_probe_retimes_points_that_are_slower_than_more_rows():
     assert ts[0] < 2e-3 and ts[1:] == [1e-3, 1e-3]
     ts = [1.0, 1e-4]  # a call that really takes 10 ms stays out of order, and is reported
     assert _recheck(lambda x: time.sleep(0.01), [1, 2], ts, 8, torch.float32, 2) == [1]
+
+
+def test_plan_requests_that_never_fit():
+    # CFG keeps 12 KiB of KV a token: 2 MiB = 170 tokens, less than one max-model-len region
+    sm = MeasuredModel(CFG, fake_profile())
+    hw = {"kind": "measured", "label": "measured here", "model": "fake", "bandwidth_bytes_per_s": 20e9}
+    reqs = [SimRequest(20, 10), SimRequest(30, 20), SimRequest(4000, 200)]
+    ps = PlanSettings(kv_bytes=2 << 20, max_model_len=4096, slo=parse_slo("ttft_p99=3s"), bisect_iters=3)
+    logged = []
+    # once: "simulator: nothing can be scheduled" (RuntimeError) from the contiguous max-model-len variant
+    plan, _ = make_plan(CFG, sm, hw, reqs, ps, SpecSettings(0.7, 3), log=logged.append)
+    assert plan["trace"]["rejected"] == 1 and any("1 of 3 requests never fit" in m for m in logged)
+    contig = plan["variants"]["contiguous, reserve max-model-len"]
+    assert contig["offline"]["extra"]["rejected"] == 3 and "max_rate" not in contig
+    assert plan["variants"]["baseline (paged, bf16)"]["offline"]["num_requests"] == 2
+    # once: NaN throughput and rates, then matplotlib's "Data cannot be log-scaled"
+    with pytest.raises(ValueError, match="trace: none of the 1 requests fits: the shortest needs 4200 tokens"):
+        make_plan(CFG, sm, hw, reqs[2:], ps, SpecSettings(0.7, 3), log=logged.append)

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from mixserve.bench.datasets import BenchRequest, count_tokens, load_jsonl, synthetic_prompt
+from mixserve.bench.datasets import MAX_TRACE_PROMPT_TOKENS, BenchRequest, count_tokens, load_jsonl, \
+    synthetic_prompt
 from mixserve.bench.trace import add_arrivals, describe_requests, format_description, plot_histograms, \
     sample_requests, write_trace
 from mixserve.cli import main
@@ -86,6 +87,20 @@ def test_prompt_tokens_needs_a_tokenizer(tmp_path):
         load_jsonl(p)
 
 
+def test_huge_prompt_tokens_and_non_utf8_name_the_line(tmp_path):
+    # 1e8 tokens once made synthetic_prompt build a 100M-word text: the tokenizer died of memory
+    p = tmp_path / "huge.jsonl"
+    _write(p, [{"prompt_tokens": 5}, {"prompt_tokens": MAX_TRACE_PROMPT_TOKENS + 1}])
+    with pytest.raises(ValueError, match=rf"huge\.jsonl:2: 'prompt_tokens' must be at most {MAX_TRACE_PROMPT_TOKENS}"):
+        load_jsonl(p, tokenizer=TOK)
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 16\)"):
+        load_jsonl(p, tokenizer=TOK)
+    p.write_bytes(b'{"prompt": "ok"}\r\n\r\n{"prompt": "caf\xc3\xa9"}\r\n')  # CRLF and UTF-8 still read
+    assert [r.prompt for r in load_jsonl(p)] == ["ok", "caf\u00e9"]
+
+
 def _req(plen, out, arrival=None, tag="a"):
     return BenchRequest("x", out, plen, tag, None, arrival)
 
@@ -154,3 +169,10 @@ def test_cli_sample_is_deterministic(tmp_path, capsys):
     assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 12
     assert main(["mix", "sample", "--source", "humaneval", "--num", "0", "--out", str(tmp_path / "c.jsonl")]) == 2
     assert "num: must be >= 1" in capsys.readouterr().err
+
+
+def test_cli_unwritable_out_is_an_error_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "t.jsonl").mkdir()  # once: IsADirectoryError escaped main as a traceback
+    assert main(["mix", "sample", "--source", "synthetic-long-prompt", "--num", "2", "--out",
+                 str(tmp_path / "t.jsonl")]) == 2
+    assert "mixserve mix: error: [Errno 21] Is a directory" in capsys.readouterr().err
