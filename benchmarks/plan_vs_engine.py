@@ -27,6 +27,8 @@ CONFIGS = [
     ("humaneval", "humaneval", 64, "512MiB"),
     ("synthetic long prompt / short output", "SYNTH", 16, "512MiB"),
     ("sharegpt, 24 MiB KV (preemption; unseen)", "sharegpt", 64, "24MiB"),
+    # added after the first round, with the grouped decode attention in the step model
+    ("humaneval, 24 MiB KV (preemption; unseen in round 2)", "humaneval", 64, "24MiB"),
 ]
 
 
@@ -43,6 +45,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--output-len-cap", type=int, default=256)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every request count (smoke runs)")
+    ap.add_argument("--configs", default=None, help="comma-separated indices into CONFIGS (default: all)")
     a = ap.parse_args()
 
     from mixserve.cli import machine_info
@@ -67,6 +70,8 @@ def main() -> int:
     cfg = ModelConfig.from_folder(convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path)
     sm, hw = load_step_model(a.profile, cfg)
     configs = [(n, str(synth) if d == "SYNTH" else d, max(2, round(k * a.scale)), kv) for n, d, k, kv in CONFIGS]
+    if a.configs:
+        configs = [configs[int(i)] for i in a.configs.split(",")]
 
     preds = {"made_at": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": a.profile, "machine": machine_info(),
              "configs": {}}
@@ -81,7 +86,7 @@ def main() -> int:
                                   "duration_s": rep["duration_s"], "preemptions": res.num_preemptions,
                                   "peak_kv_blocks": res.peak_kv_blocks}
         print(f"predicted {name}: {rep['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
-              f"{rep['tpot_s']['p50'] * 1e3:.1f} ms, {res.preemptions} preemptions", flush=True)
+              f"{rep['tpot_s']['p50'] * 1e3:.1f} ms, {res.num_preemptions} preemptions", flush=True)
     pred_path = out.with_suffix(".predictions.json")
     pred_path.write_text(json.dumps(preds, indent=1))
     print(f"wrote {pred_path} (before any measured run)", flush=True)

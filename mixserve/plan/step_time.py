@@ -123,6 +123,24 @@ def _span_score_elements(q: int, ctx: int) -> int:
     return q * ctx - q * (q - 1) // 2
 
 
+def decode_groups(contexts: list[int], block_size: int) -> list[tuple[int, int]]:
+    """(rows, padded context in slots) of each decode attention call the model runner makes
+    for decode rows of these context lengths (tokens, the new one included): rows sorted
+    longest first, a new group once the current one has _MIN_GROUP rows and the next context
+    is under _GROUP_RATIO of its longest, every row padded to the group's longest context in
+    whole blocks (engine/model_runner.py ModelRunner.prepare)."""
+    from mixserve.engine.model_runner import _GROUP_RATIO, _MIN_GROUP
+
+    ctx = sorted(contexts, reverse=True)
+    out, start = [], 0
+    for i in range(len(ctx)):
+        last = i + 1 == len(ctx)
+        if last or (i + 1 - start >= _MIN_GROUP and ctx[i + 1] < _GROUP_RATIO * ctx[start]):
+            out.append((i + 1 - start, -(-ctx[start] // block_size) * block_size))
+            start = i + 1
+    return out
+
+
 def _lin3(coef: list[float], a: float, b: float) -> float:
     return coef[0] + coef[1] * a + coef[2] * b
 
@@ -132,7 +150,8 @@ class MeasuredModel(StepModel):
 
     Linears: the measured seconds per call by rows, per shape and format (Table). Attention and
     overhead: the profile's least-squares fits, per layer:
-    decode t = a + b * rows + c * sum(contexts); span t = a + b * q + c * (query-key pairs);
+    decode t = a * calls + b * rows + c * padded slots, with calls and padding as the model runner
+    groups the rows (decode_groups); span t = a + b * q + c * (query-key pairs);
     overhead t = a + b * seqs + c * tokens.
     """
 
@@ -147,6 +166,7 @@ class MeasuredModel(StepModel):
         self.dec = att["decode"]["fit"]
         self.span = att["span"]["fit"]
         self.ovh = profile["overhead"]["fit"]
+        self.block_size = profile.get("block_size", 16)
 
     def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
         name = fmt.name if (shape_name != "lm_head" or fmt.lm_head_int4) else "bf16"
@@ -155,7 +175,11 @@ class MeasuredModel(StepModel):
         return self.tables[name][shape_name](rows)
 
     def decode_attention_time(self, contexts: list[int]) -> float:
-        return max(0.0, _lin3(self.dec, len(contexts), sum(contexts)))
+        # the probe times one group of equal contexts; a real step's rows are grouped and each
+        # group padded as the model runner does, so charge the padded slots and a call per group
+        groups = decode_groups(contexts, self.block_size)
+        padded = sum(rows * ctx for rows, ctx in groups)
+        return max(0.0, self.dec[0] * len(groups) + self.dec[1] * len(contexts) + self.dec[2] * padded)
 
     def span_attention_time(self, q: int, ctx: int) -> float:
         return max(0.0, _lin3(self.span, q, _span_score_elements(q, ctx)))

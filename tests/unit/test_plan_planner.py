@@ -34,12 +34,13 @@ def fake_profile(cfg=CFG):
 def test_measured_step_time_by_hand():
     sm = MeasuredModel(CFG, fake_profile())
     # 4 decode rows at context 100: linears 24 layers * 4 shapes * 1 ms = 96 ms; LM head (4 rows)
-    # 1 ms; attention 24 * (10 us + 400 ns) = 249.6 us; overhead 2 ms + 4 * 0.1 ms = 2.4 ms
+    # 1 ms; attention: one call over 4 rows padded to 7 blocks of 16 = 112 slots,
+    # 24 * (10 us + 4 * 112 ns) = 250.75 us; overhead 2 ms + 4 * 0.1 ms = 2.4 ms
     t = sm.step_time(StepBatch([100] * 4, [], 4), BF16)
-    assert t == pytest.approx(0.096 + 0.001 + 24 * 10.4e-6 + 0.0024)
+    assert t == pytest.approx(0.096 + 0.001 + 24 * 10.448e-6 + 0.0024)
     # int4: body linears halve (48 ms); the LM head stays bf16 (1 ms)
     t4 = sm.step_time(StepBatch([100] * 4, [], 4), INT4)
-    assert t4 == pytest.approx(0.048 + 0.001 + 24 * 10.4e-6 + 0.0024)
+    assert t4 == pytest.approx(0.048 + 0.001 + 24 * 10.448e-6 + 0.0024)
     # 40 rows interpolate halfway between 16 (1 ms) and 64 (4 ms): 2.5 ms per linear
     assert sm.linear_time("qkv", 40, BF16) == pytest.approx(2.5e-3)
 
@@ -196,3 +197,16 @@ def test_plan_requests_that_never_fit():
     # once: NaN throughput and rates, then matplotlib's "Data cannot be log-scaled"
     with pytest.raises(ValueError, match="trace: none of the 1 requests fits: the shortest needs 4200 tokens"):
         make_plan(CFG, sm, hw, reqs[2:], ps, SpecSettings(0.7, 3), log=logged.append)
+
+
+def test_decode_attention_is_charged_as_the_runner_groups_and_pads_it():
+    from mixserve.plan.step_time import decode_groups
+
+    # 8 rows at 100 and 8 at 10: after 8 rows the next (10) is under 0.7 * 100, so two calls,
+    # padded to whole blocks of 16: 112 and 16 slots
+    assert decode_groups([10] * 8 + [100] * 8, 16) == [(8, 112), (8, 16)]
+    # fewer than 8 rows never split: the short row is padded to the long one
+    assert decode_groups([100, 10], 16) == [(2, 112)]
+    sm = MeasuredModel(CFG, fake_profile())  # 10 us per call + 1 ns per slot
+    assert sm.decode_attention_time([100, 10]) == pytest.approx(10e-6 + 2 * 112e-9)
+    assert sm.decode_attention_time([10] * 8 + [100] * 8) == pytest.approx(2 * 10e-6 + (8 * 112 + 8 * 16) * 1e-9)
