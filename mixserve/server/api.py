@@ -500,16 +500,20 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 d["usage"] = usage_
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
-        def choice(c: _Choice, text: str, new_ids: list[int], new_lps: list, first: bool = False) -> dict:
+        def choice(c: _Choice, text: str, new_ids: list[int], new_lps: list, first: bool = False,
+                   final: bool = False) -> dict:
+            # only a choice's last chunk carries its finish_reason: an abort that lands while
+            # earlier chunks still wait to be sent must not mark those as the end
+            finish = c.finish_reason if final else None
             if job.kind == "completions":
                 ch = {"index": c.index, "text": text,
                       "logprobs": completion_logprobs(new_lps, token_text, c.offsets) if job.logprobs is not None
-                      else None, "finish_reason": c.finish_reason}
+                      else None, "finish_reason": finish}
             else:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 ch = {"index": c.index, "delta": delta,
                       "logprobs": chat_logprobs(new_lps, token_text) if job.logprobs is not None and new_lps else None,
-                      "finish_reason": c.finish_reason}
+                      "finish_reason": finish}
             if req.return_token_ids:
                 ch["token_ids"] = new_ids
                 if first:
@@ -527,7 +531,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 new_ids, new_lps = absorb(job, c, out)
                 left -= out.finished
                 if out.new_text or out.finished or (new_ids and (req.return_token_ids or job.logprobs is not None)):
-                    yield chunk([choice(c, out.new_text, new_ids, new_lps)])
+                    yield chunk([choice(c, out.new_text, new_ids, new_lps, final=out.finished)])
             if include_usage:
                 yield chunk([], usage(job))
         except APIError as e:
@@ -535,7 +539,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 for c in job.choices:
                     if c.finish_reason in (None, "abort"):
                         c.finish_reason = "abort"
-                        yield chunk([choice(c, "", [], [])])
+                        yield chunk([choice(c, "", [], [], final=True)])
                 if include_usage:
                     yield chunk([], usage(job))
             else:  # headers are gone: the error becomes an event, as vLLM does

@@ -26,7 +26,7 @@ def test_token_prompts_spec_metrics_and_no_tokenizer(tiny_server):
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5]
     r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 20,
                                                  "temperature": 0, "n": 2, "ignore_eos": True,
-                                                 "return_token_ids": True})
+                                                 "return_token_ids": True}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
@@ -35,17 +35,18 @@ def test_token_prompts_spec_metrics_and_no_tokenizer(tiny_server):
     assert body["usage"] == {"prompt_tokens": 24 + 15, "completion_tokens": 80, "total_tokens": 24 + 15 + 80}
     # greedy: both samples of a prompt agree
     assert body["choices"][0]["token_ids"] == body["choices"][1]["token_ids"]
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", timeout=60).text
     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
     assert m["mixserve_spec_decode_num_draft_tokens_total"] > 0
     assert m["mixserve_spec_decode_num_accepted_tokens_total"] <= m["mixserve_spec_decode_num_evaluated_tokens_total"]
     assert m["mixserve_spec_decode_num_evaluated_tokens_total"] > 0
     assert m["mixserve_generation_tokens_total"] == 80
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+                   timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "text"})
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "text"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    assert tiny_server.wait_idle(5)
+    assert tiny_server.wait_idle(30)
 
 
 def test_engine_check_request_and_counters(tiny_server):
@@ -255,16 +256,17 @@ def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder)
     try:
         key = {"Authorization": "Bearer sekret"}
         for path in ("/docs", "/redoc", "/openapi.json"):
-            r = httpx.get(srv.url + path)
+            r = httpx.get(srv.url + path, timeout=60)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
-            assert httpx.get(srv.url + path, headers=key).status_code == 200, path
-        assert "/v1/completions" in httpx.get(srv.url + "/openapi.json", headers=key).json()["paths"]
-        assert httpx.get(srv.url + "/health").status_code == 200
+            assert httpx.get(srv.url + path, headers=key, timeout=60).status_code == 200, path
+        assert "/v1/completions" in httpx.get(srv.url + "/openapi.json", headers=key, timeout=60).json()["paths"]
+        assert httpx.get(srv.url + "/health", timeout=60).status_code == 200
         r = httpx.post(srv.url + "/v1/completions", headers=key,
-                       json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True})
+                       json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True},
+                       timeout=60)
         assert r.status_code == 200
         assert srv.wait_idle(10)
-        text = httpx.get(srv.url + "/metrics").text
+        text = httpx.get(srv.url + "/metrics", timeout=60).text
         m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         # one prefill step (5 tokens) and 3 decode steps (1 token each; the last token is never fed back)
         assert m["mixserve_engine_step_seconds_count"] == eng.num_steps == 4
@@ -274,6 +276,6 @@ def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder)
         srv.stop()
     open_srv = LiveServer(plain_engine(tiny_folder), ServerConfig("tiny"))
     try:
-        assert httpx.get(open_srv.url + "/docs").status_code == 200
+        assert httpx.get(open_srv.url + "/docs", timeout=60).status_code == 200
     finally:
         open_srv.stop()
