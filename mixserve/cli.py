@@ -68,6 +68,12 @@ def machine_info() -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
+def _write_json(out: Path, obj) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(obj, indent=1))
+    print(f"wrote {out}")
+
+
 def cmd_pull(a) -> int:
     from mixserve.models.registry import pull
 
@@ -145,9 +151,7 @@ def cmd_bench_online(a) -> int:
     report["machine"] = machine_info()
     print(format_online(report))
     out = Path(a.output or f"results/online-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    _write_json(out, report)
     return 0 if not report["failed"] else 1
 
 
@@ -177,9 +181,7 @@ def cmd_bench_compare_allocators(a) -> int:
                         "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len}
     result["machine"] = machine_info()
     out = Path(a.output or f"results/allocators-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    _write_json(out, result)
     return 0
 
 
@@ -307,9 +309,7 @@ def cmd_eval_ppl(a) -> int:
             mark = "significant" if c["significant"] else ""
             print(f"{name:<16}{c['delta']:>+10.3f}  [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] {mark}")
     out = Path(a.output or f"results/ppl-{Path(a.model).name}-{a.quantization or 'auto'}-{int(time.time())}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    _write_json(out, report)
     return rc
 
 
@@ -330,9 +330,7 @@ def cmd_hw_probe(a) -> int:
     prof = probe(a.model, _int_list(a.rows, "rows"), formats, a.repeats, a.max_context,
                  engine_steps=not a.no_engine_steps)
     out = Path(a.out or f"results/hw-{Path(a.model).name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(prof, indent=1))
-    print(f"wrote {out}")
+    _write_json(out, prof)
     return 0
 
 
