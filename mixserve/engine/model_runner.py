@@ -17,6 +17,20 @@ from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpa
 # _GROUP_RATIO of the group's longest and the group has _MIN_GROUP rows: less padding to gather.
 _GROUP_RATIO = 0.7
 _MIN_GROUP = 8
+
+
+def decode_group_bounds(contexts: list[int]) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of the decode attention groups for rows sorted by context length
+    (tokens, longest first): a group closes once it has _MIN_GROUP rows and the next context is
+    under _GROUP_RATIO of its first. The planner's step model (plan/step_time.py) uses the same
+    split to cost a step as the engine runs it."""
+    out, start = [], 0
+    for i in range(len(contexts)):
+        if i + 1 == len(contexts) or (i + 1 - start >= _MIN_GROUP
+                                      and contexts[i + 1] < _GROUP_RATIO * contexts[start]):
+            out.append((start, i + 1))
+            start = i + 1
+    return out
 from mixserve.models.config import ModelConfig
 
 
@@ -89,7 +103,6 @@ class ModelRunner:
         slots: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
         logit_rows: list[int] = []
-        group_start = 0
         for i, it in enumerate(decode):
             p = it.start
             table = self.bm.block_table(it.seq_id)
@@ -98,11 +111,8 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             if it.num_logits:
                 logit_rows.append(i)
-            last = i + 1 == len(decode)
-            if last or (i + 1 - group_start >= _MIN_GROUP and
-                        decode[i + 1].start + 1 < _GROUP_RATIO * (decode[group_start].start + 1)):
-                self._decode_group(meta, decode, group_start, i + 1)
-                group_start = i + 1
+        for start, end in decode_group_bounds([it.start + 1 for it in decode]):
+            self._decode_group(meta, decode, start, end)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         for it in multi:
             row0 = len(ids)

@@ -124,21 +124,14 @@ def _span_score_elements(q: int, ctx: int) -> int:
 
 
 def decode_groups(contexts: list[int], block_size: int) -> list[tuple[int, int]]:
-    """(rows, padded context in slots) of each decode attention call the model runner makes
-    for decode rows of these context lengths (tokens, the new one included): rows sorted
-    longest first, a new group once the current one has _MIN_GROUP rows and the next context
-    is under _GROUP_RATIO of its longest, every row padded to the group's longest context in
-    whole blocks (engine/model_runner.py ModelRunner.prepare)."""
-    from mixserve.engine.model_runner import _GROUP_RATIO, _MIN_GROUP
+    """(rows, padded context in slots) of each decode attention call the model runner makes for
+    decode rows of these context lengths (tokens, the new one included): rows sorted longest
+    first and split as the runner does (engine/model_runner.py decode_group_bounds), each row
+    padded to its group's longest context in whole blocks."""
+    from mixserve.engine.model_runner import decode_group_bounds
 
     ctx = sorted(contexts, reverse=True)
-    out, start = [], 0
-    for i in range(len(ctx)):
-        last = i + 1 == len(ctx)
-        if last or (i + 1 - start >= _MIN_GROUP and ctx[i + 1] < _GROUP_RATIO * ctx[start]):
-            out.append((i + 1 - start, -(-ctx[start] // block_size) * block_size))
-            start = i + 1
-    return out
+    return [(e - s, -(-ctx[s] // block_size) * block_size) for s, e in decode_group_bounds(ctx)]
 
 
 def _lin3(coef: list[float], a: float, b: float) -> float:
