@@ -340,15 +340,22 @@ def cmd_plan(a) -> int:
     from mixserve.models.loader import convert_gguf
     from mixserve.models.registry import resolve_model
     from mixserve.plan.hardware import load_step_model
+    from mixserve.plan.measure import load_quality
     from mixserve.plan.planner import PlanSettings, make_plan, parse_slo, trace_requests
     from mixserve.plan.report import format_table, write_report
     from mixserve.plan.simulator import SpecSettings
 
-    if a.measure:
-        raise ValueError("measure: measuring speculative acceptance on a sample of the trace is not implemented "
-                         "yet; pass --spec-alpha (e.g. from `mixserve bench --draft-model ...`, which prints alpha)")
     # every flag is checked before the slower trace loading
     slo = parse_slo(a.slo)
+    if a.measure and a.measure_requests < 1:
+        raise ValueError(f"measure_requests: must be >= 1 (got {a.measure_requests})")
+    if a.measure and a.measure_max_tokens < 2:
+        raise ValueError(f"measure_max_tokens: must be >= 2 (got {a.measure_max_tokens})")
+    if a.measure and a.spec_k < 1:
+        raise ValueError(f"spec_k: measuring acceptance needs k >= 1 (got {a.spec_k})")
+    if not a.temperature >= 0:
+        raise ValueError(f"temperature: must be >= 0 (got {a.temperature})")
+    quality = load_quality(a.awq_quality) if a.awq_quality else None
     spec = SpecSettings(a.spec_alpha, a.spec_k, a.spec_draft_cost, "auto")
     ps = PlanSettings(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
@@ -359,13 +366,40 @@ def cmd_plan(a) -> int:
     cfg = ModelConfig.from_folder(folder)
     sm, hw = load_step_model(a.hardware, cfg)
     reqs = trace_requests(a.trace, a.model, a.num_prompts, a.seed, a.output_len_cap, a.max_prompt_len)
+    measured = None
+    if a.measure:
+        measured = _measure_spec(a)
+        spec = SpecSettings(min(measured["alpha"], 0.999), a.spec_k,
+                            measured["draft_cost"] if measured["draft_cost"] == measured["draft_cost"]
+                            else a.spec_draft_cost, "auto")
     plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr))
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
+    plan["spec_measured"] = measured
+    plan["awq_quality"] = quality
     print(format_table(plan))
     out = Path(a.out or f"results/plan-{Path(a.trace).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     paths = write_report(plan, evals, out)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _measure_spec(a) -> dict:
+    """plan --measure: α and draft cost on a seeded sample of the trace, on the real engine."""
+    from mixserve.bench.datasets import load_dataset
+    from mixserve.models.loader import load_tokenizer
+    from mixserve.plan.measure import measure_speculation, sample_trace
+
+    tok = load_tokenizer(a.model)
+    all_reqs = load_dataset(a.trace, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
+                            max_prompt_len=a.max_prompt_len)
+    sample = sample_trace(all_reqs, a.measure_requests, a.seed)
+    print(f"measuring speculation ({a.draft_model}, k={a.spec_k}) on {len(sample)} of {len(all_reqs)} requests, "
+          f"up to {a.measure_max_tokens} output tokens each", file=sys.stderr)
+    m = measure_speculation(a.model, sample, a.draft_model, a.spec_k, a.measure_max_tokens, a.temperature,
+                            max_model_len=a.max_model_len, seed=a.seed)
+    print(f"measured: alpha {m['alpha']:.3f} ({m['accepted']}/{m['evaluated']} draft positions), draft cost "
+          f"c {m['draft_cost']:.3f}, {m['seconds']:.1f} s", file=sys.stderr)
+    return m
 
 
 def cmd_mix_describe(a) -> int:
@@ -532,7 +566,19 @@ def main(argv=None) -> int:
     p.add_argument("--spec-draft-cost", type=float, default=0.0,
                    help="draft step time / target step time at the same rows (0: prompt lookup)")
     p.add_argument("--bisect-iters", type=int, default=10, help="bisection steps for the max rate")
-    p.add_argument("--measure", action="store_true", help="measure alpha on a sample (not implemented yet)")
+    p.add_argument("--measure", action="store_true",
+                   help="measure speculative acceptance alpha and draft cost on a sample of the trace with the "
+                        "real engine (replaces --spec-alpha and --spec-draft-cost)")
+    p.add_argument("--draft-model", default="ngram",
+                   help="with --measure: the draft to measure (a built-in name, path, or ngram for prompt lookup)")
+    p.add_argument("--measure-requests", type=int, default=8, help="with --measure: requests sampled from the trace")
+    p.add_argument("--measure-max-tokens", type=int, default=128,
+                   help="with --measure: output tokens per sampled request (at most its max_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --measure: sampling temperature of the traffic (acceptance depends on it)")
+    p.add_argument("--awq-quality", default=None,
+                   help="an eval-ppl report of the AWQ model made with --baseline: its per-slice perplexity "
+                        "change goes into the plan beside AWQ's speed")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("mix", help="traffic mixes: describe a trace or data set, sample a trace")

@@ -275,7 +275,7 @@ def default_variants(spec: SpecSettings, group_size: int = 128) -> list[Variant]
         Variant("baseline (paged, bf16)"),
         Variant("contiguous, reserve max-model-len", allocator="contiguous", reserve="max-model-len"),
         Variant("contiguous, reserve max-tokens", allocator="contiguous", reserve="max-tokens"),
-        Variant(f"speculative (alpha {spec.alpha:g}, k<={spec.k_max}, c {spec.draft_cost:g})", spec=spec),
+        Variant(f"speculative (alpha {spec.alpha:.3g}, k<={spec.k_max}, c {spec.draft_cost:.3g})", spec=spec),
         Variant(f"AWQ w4 (g{group_size})", fmt=WeightFormat("int4", group_size)),
     ]
 

@@ -53,6 +53,24 @@ def format_table(plan: dict) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         lines.append("  ".join([r[0].ljust(w[0])] + [c.rjust(wi) for c, wi in zip(r[1:], w[1:])]))
+    m = plan.get("spec_measured")
+    lines.append("")
+    if m:
+        lines.append(f"speculation measured on {m['requests']} requests of this trace ({m['draft_model']}, k={m['k']}, "
+                     f"temperature {m['temperature']:g}): alpha {m['alpha']:.3f} ({m['accepted']}/{m['evaluated']} "
+                     f"draft positions), draft cost c {m['draft_cost']:.3f}")
+    else:
+        sp = plan["settings"]["spec"]
+        lines.append(f"speculation: alpha {sp['alpha']:g} and draft cost c {sp['draft_cost']:g} as given, not measured "
+                     "(--measure measures them on a sample of the trace)")
+    q = plan.get("awq_quality")
+    if q:
+        lines.append("AWQ quality (eval-ppl, perplexity increase over the baseline, 95% CI; * significant):")
+        for name, d in q.items():
+            lines.append(f"  {name:<16} ppl {d['ppl']:.3f}  {d['delta']:+.3f} [{d['ci95'][0]:+.3f}, "
+                         f"{d['ci95'][1]:+.3f}]{' *' if d['significant'] else ''}")
+    else:
+        lines.append("AWQ quality: not given (--awq-quality REPORT from `mixserve eval-ppl --baseline ...`)")
     return "\n".join(lines)
 
 
@@ -136,8 +154,9 @@ def write_report(plan: dict, evals: dict, out_dir: str | Path) -> list[Path]:
           "![latency](latency_cdf.png)", "", "![rate sweep](rate_sweep.png)", "",
           "![optimizations](optimizations.png)", "",
           "Speed-ups are over the baseline (paged KV, bf16, no speculation); for paging, the baseline over the "
-          "contiguous allocator. Speculative decoding uses the stated acceptance α (assumed, not measured on this "
-          "trace) and draft cost c; AWQ w4 uses the profile's int4 matmul times; quality change is not simulated.",
+          "contiguous allocator. Speculative decoding uses the acceptance α and draft cost c shown under the table "
+          "(measured on a sample of this trace with --measure, else as given); AWQ w4 uses the profile's int4 "
+          "matmul times, and its quality change is the eval-ppl report given with --awq-quality, not simulated.",
           ""]
     paths.append(out / "report.md")
     paths[-1].write_text("\n".join(md))
