@@ -597,8 +597,10 @@ def main(argv=None) -> int:
     q = mix.add_parser("sample", help="write a JSONL trace from a data set or a synthetic mix, seeded")
     q.add_argument("--source", required=True, choices=["sharegpt", "humaneval", "synthetic-long-prompt"],
                    help="synthetic-long-prompt: 1500-3000 prompt tokens, 16-64 output tokens")
-    q.add_argument("--num", type=int, default=200)
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--num", "--num-prompts", type=int, default=200, dest="num",
+                   help="requests to write (humaneval: its first N problems, as bench --dataset humaneval)")
+    q.add_argument("--seed", type=int, default=0,
+                   help="seeds the ShareGPT and synthetic samples and the arrival times")
     q.add_argument("--request-rate", type=float, default=None,
                    help="add Poisson arrival times (arrival_s) at this many requests/s (default: none)")
     q.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="whose tokenizer filters ShareGPT")

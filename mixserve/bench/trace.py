@@ -24,8 +24,8 @@ __all__ = ["PERCENTILES", "PROMPT_BANDS", "OUTPUT_BANDS", "SOURCES", "describe_r
 
 PERCENTILES = (10, 50, 90, 99)
 # upper edges (tokens) of the "share below" bands: the sizes that decide KV and prefill cost
-PROMPT_BANDS = (128, 256, 512, 1024, 2048)
-OUTPUT_BANDS = (32, 64, 128, 256, 512)
+PROMPT_BANDS = (128, 256, 512, 1024, 2048, 4096, 8192, 32768)
+OUTPUT_BANDS = (32, 64, 128, 256, 512, 1024, 4096)
 SOURCES = ("sharegpt", "humaneval", "synthetic-long-prompt")
 
 

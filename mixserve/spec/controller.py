@@ -13,10 +13,13 @@ import math
 
 class StepCostTable:
     """Measured seconds per forward by row count (exact up to 16 rows, then powers of 2): each
-    bucket's value is the median of its last `window` timings, so a one-off outlier (oneDNN
-    building a primitive for a new shape on first use, a noisy neighbour) drops out.
+    bucket is a point (median rows, median seconds) of its last `window` timings, so a one-off
+    outlier (oneDNN building a primitive for a new shape on first use, a noisy neighbour) drops
+    out. The point sits at the rows actually measured, not at the bucket's upper edge: a 160-row
+    verification timed into the 256 bucket placed at 256 would make every count between the
+    buckets look cheaper than it is, and large k at batch look like it pays when it does not.
 
-    estimate(rows) interpolates linearly between measured buckets, is flat below the smallest and
+    estimate(rows) interpolates linearly between the points, is flat below the smallest and
     proportional to rows above the largest; None when nothing is measured yet. has(rows) is true
     once a bucket holds `min_samples` timings.
     """
@@ -25,8 +28,8 @@ class StepCostTable:
         self.window = window
         self.min_samples = min_samples
         self.keep = keep
-        self.buckets: dict[int, float] = {}
-        self.samples: dict[int, list[float]] = {}  # last `keep` raw timings per bucket
+        self.buckets: dict[int, tuple[float, float]] = {}  # bucket -> (rows, seconds)
+        self.samples: dict[int, list[tuple[int, float]]] = {}  # last `keep` raw (rows, seconds) per bucket
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -38,14 +41,16 @@ class StepCostTable:
     def record(self, rows: int, seconds: float) -> None:
         b = self.bucket(rows)
         xs = self.samples.setdefault(b, [])
-        xs.append(seconds)
+        xs.append((rows, seconds))
         del xs[:-self.keep]
-        recent = sorted(xs[-self.window:])
-        self.buckets[b] = recent[len(recent) // 2]
+        recent = xs[-self.window:]
+        r = sorted(x for x, _ in recent)
+        t = sorted(y for _, y in recent)
+        self.buckets[b] = (float(r[len(r) // 2]), t[len(t) // 2])
 
     def median(self, rows: int) -> float | None:
-        """Median of the raw timings at `rows` (robust to a noisy neighbour; for reports)."""
-        xs = sorted(self.samples.get(self.bucket(rows), []))
+        """Median of the raw timings in `rows`' bucket (robust to a noisy neighbour; for reports)."""
+        xs = sorted(y for _, y in self.samples.get(self.bucket(rows), []))
         return xs[len(xs) // 2] if xs else None
 
     def has(self, rows: int) -> bool:
@@ -54,15 +59,14 @@ class StepCostTable:
     def estimate(self, rows: int) -> float | None:
         if not self.buckets:
             return None
-        keys = sorted(self.buckets)
-        if rows <= keys[0]:
-            return self.buckets[keys[0]]
-        if rows >= keys[-1]:
-            return self.buckets[keys[-1]] * rows / keys[-1]
-        for lo, hi in zip(keys, keys[1:]):
-            if lo <= rows <= hi:
-                w = (rows - lo) / (hi - lo)
-                return (1 - w) * self.buckets[lo] + w * self.buckets[hi]
+        pts = sorted(self.buckets.values())
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        if rows >= pts[-1][0]:
+            return pts[-1][1] * rows / pts[-1][0]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= rows <= x1:
+                return y0 if x1 == x0 else y0 + (rows - x0) / (x1 - x0) * (y1 - y0)
         return None
 
 

@@ -91,3 +91,15 @@ def test_positional_acceptance_tempers_large_k():
     a = ctl.alpha_for(0, 0)
     assert ctl.expected(a, 2) < ctl.expected(a, 1) + 0.2
     assert ctl.choose([a], 0) == 1
+
+
+def test_bucket_point_sits_at_the_rows_measured():
+    # 160 rows fall in the 256 bucket; placed at 256, estimate(160) would come out at 32's cost plus
+    # only 4/7 of the difference, and k = 4 at a batch of 32 would look cheap
+    t = StepCostTable()
+    for _ in range(3):
+        t.record(32, 1.0)
+        t.record(160, 5.0)
+    assert t.estimate(160) == pytest.approx(5.0)
+    assert t.estimate(96) == pytest.approx(3.0)
+    assert t.estimate(320) == pytest.approx(10.0)
