@@ -7,9 +7,9 @@ matmul does not depend on the values):
   * paged attention (layers/attention.py) of decode batches by rows and context, and of prefill
     chunks by query tokens and context, through the model runner's own batch preparation;
   * memory bandwidth from a large tensor copy (bytes read + bytes written per second);
-  * per-step overhead: real engine steps (decode batches and prefills) minus what the linear and
-    attention measurements predict for them; the rest (scheduling, batch preparation, embedding,
-    norms, RoPE, sampling, output handling) is fitted as a + b * seqs + c * tokens.
+  * per-step overhead: real engine steps minus what the linear and attention measurements predict
+    for them; the rest (scheduling, batch preparation, embedding, norms, RoPE, sampling, output
+    handling) is a + b * seqs from decode batches of 1 to 64 rows, plus c * tokens from prefills.
 The profile is JSON; `load_step_model` turns it, or a named accelerator, into a StepModel.
 """
 from __future__ import annotations
@@ -191,11 +191,30 @@ def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     return 2 * nbytes / t
 
 
-def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print) -> dict:
+def fit_overhead(decode: list[dict], prefill: list[dict]) -> list[float]:
+    """[a, b, c] seconds of overhead = a + b * seqs + c * tokens from engine-step points
+    ({"seqs", "tokens", "seconds", "predicted_compute"}): a and b (>= 0) by least squares on the
+    decode points' residuals alone, then c (>= 0) as the median per-token residual of the prefill
+    points after a + b (0 without prefill points). See probe_overhead for why."""
+    X = np.array([[1.0, p["seqs"]] for p in decode])
+    y = np.array([p["seconds"] - p["predicted_compute"] for p in decode])
+    a, b = fit_nonneg(X, y)
+    per_token = [(p["seconds"] - p["predicted_compute"] - a - b) / p["tokens"] for p in prefill]
+    return [a, b, max(0.0, statistics.median(per_token)) if per_token else 0.0]
+
+
+def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
+                   decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> dict:
     """Real engine steps minus the linear + attention time `partial` predicts for them.
 
-    Decode batches of 1, 4 and 16 rows (32-token prompts) and prefills of 32 and 256 tokens run
-    on the real model; the residual is fitted as a + b * seqs + c * tokens seconds."""
+    Decode batches of `decode_batches` rows (32-token prompts, the median of `repeats` steps each)
+    give a + b * seqs: in a decode step the matmuls are small, so the residual is mostly the
+    per-step and per-sequence work (scheduling, batch preparation, norms, RoPE, sampling, output
+    handling). Prefills of 32 and 256 tokens then give c (per token) from what is left after
+    a + b. Prefill residuals are not used for a and b: there the matmul time is tens of times
+    the overhead, so their residual is mostly the linear tables' own error, and one such point
+    once pulled the per-step constant from 25 ms to 9 ms and invented a per-sequence term.
+    Returns {"points", "fit": [a, b, c] seconds, "terms"}."""
     from mixserve.engine.llm_engine import EngineArgs, LLMEngine
     from mixserve.sampling_params import SamplingParams
 
@@ -209,21 +228,12 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print) ->
     def ids(n):
         return torch.randint(0, eng.cfg.vocab_size, (n,), generator=rng).tolist()
 
-    for n in (32, 256, 32, 256):  # twice: the first of each shape pays for oneDNN's primitive setup
-        rid = eng.add_request(ids(n), sp)
-        t0 = time.perf_counter()
-        eng.step()
-        t = time.perf_counter() - t0
-        eng.abort(rid)
-        pts.append({"seqs": 1, "tokens": n, "seconds": t,
-                    "predicted_compute": sm.step_time(StepBatch([], [(n, n)], 1))})
-    pts = pts[2:]
-    for b in (1, 4, 16):
+    for b in decode_batches:
         rids = [eng.add_request(ids(32), sp) for _ in range(b)]
         eng.step()  # the prefills
         ctx = [33] * b
         ts, pred = [], []
-        for _ in range(repeats + 1):
+        for _ in range(repeats + 1):  # the first decode step of a new batch size pays oneDNN's setup
             t0 = time.perf_counter()
             eng.step()
             ts.append(time.perf_counter() - t0)
@@ -233,9 +243,20 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print) ->
                     "predicted_compute": statistics.median(pred[1:])})
         for r in rids:
             eng.abort(r)
-    X = np.array([[1.0, p["seqs"], p["tokens"]] for p in pts])
-    y = np.array([p["seconds"] - p["predicted_compute"] for p in pts])
-    fit = fit_nonneg(X, y)
+    pre = []
+    for n in (32, 256) * (repeats + 1):  # the first of each shape pays for oneDNN's primitive setup
+        rid = eng.add_request(ids(n), sp)
+        t0 = time.perf_counter()
+        eng.step()
+        t = time.perf_counter() - t0
+        eng.abort(rid)
+        pre.append({"seqs": 1, "tokens": n, "seconds": t,
+                    "predicted_compute": sm.step_time(StepBatch([], [(n, n)], 1))})
+    pre = pre[2:]
+    fit = fit_overhead(pts, pre)
+    for n in (32, 256):  # report the median prefill of each shape
+        ps = sorted((p for p in pre if p["tokens"] == n), key=lambda p: p["seconds"])
+        pts.append(ps[len(ps) // 2])
     for p in pts:
         log(f"  engine step seqs={p['seqs']} tokens={p['tokens']}: {p['seconds'] * 1e3:.2f} ms, "
             f"linear+attention predict {p['predicted_compute'] * 1e3:.2f} ms")

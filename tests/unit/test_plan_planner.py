@@ -210,3 +210,17 @@ def test_decode_attention_is_charged_as_the_runner_groups_and_pads_it():
     sm = MeasuredModel(CFG, fake_profile())  # 10 us per call + 1 ns per slot
     assert sm.decode_attention_time([100, 10]) == pytest.approx(10e-6 + 2 * 112e-9)
     assert sm.decode_attention_time([10] * 8 + [100] * 8) == pytest.approx(2 * 10e-6 + (8 * 112 + 8 * 16) * 1e-9)
+
+
+def test_overhead_fit_takes_a_and_b_from_decode_steps_only():
+    from mixserve.plan.hardware import fit_overhead
+
+    # decode: 30 ms a step + 0.5 ms a sequence on top of the matmuls
+    dec = [{"seqs": b, "tokens": b, "seconds": 0.05 + 0.030 + 0.0005 * b, "predicted_compute": 0.05}
+           for b in (1, 4, 16, 64)]
+    # prefills whose linear tables overpredict by 28 ms (a residual below zero) must not drag a or b
+    pre = [{"seqs": 1, "tokens": 256, "seconds": 0.50, "predicted_compute": 0.528}]
+    a, b, c = fit_overhead(dec, pre)
+    assert a == pytest.approx(0.030) and b == pytest.approx(0.0005) and c == 0.0
+    pre = [{"seqs": 1, "tokens": 100, "seconds": 0.2 + 0.0305 + 100e-5, "predicted_compute": 0.2}]
+    assert fit_overhead(dec, pre)[2] == pytest.approx(1e-5)
