@@ -10,7 +10,8 @@ range of every group they sit in and coarsens the step for all the other channel
 For every block and linear group (q/k/v, gate/up, down) this script reports, on calibration
 tokens run through the float model:
 - corr: the correlation over input channels of log mean|x_j| and log mean_i |W_ij|;
-- the group's output MSE after w4 g128 rounding at α = 0.25, 0.5, 0.75, 1, relative to α = 0 (RTN);
+- the group's output MSE after w4 g128 rounding at α = 0.25 ... 1 (and, outside the paper's range,
+  α = -0.5 and -0.25, which shrink the large-activation channels), relative to α = 0 (RTN);
 - the same ratios with the weight's input channels randomly permuted (activations kept), which
   breaks the weight-activation link and keeps everything else.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ALPHAS = (0.25, 0.5, 0.75, 1.0)
+ALPHAS = (-0.5, -0.25, 0.25, 0.5, 0.75, 1.0)
 GROUPS = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
           "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
 

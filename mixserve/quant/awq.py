@@ -62,10 +62,6 @@ class AWQConfig:
     perplexity as "linear" at 5x the search time (benchmarks/awq_ablation.py, BENCHMARKS.md), so
     "linear" is the default. module_samples: calibration sequences (whole, since attention needs
     them) used by the module objective.
-    alpha_min: the lower end of the α grid (n_grid points from alpha_min to 1). The paper's grid
-    is [0, 1) (0, the default); a negative α shrinks the large-activation channels instead, which
-    lowers the output error where those channels already hold the largest weights, as on the
-    built-in GGUF releases (benchmarks/awq_diagnose.py).
     seed: the shuffle of calibration documents."""
 
     method: str = "awq"
@@ -80,12 +76,9 @@ class AWQConfig:
     clip: str = ""
     objective: str = "linear"
     module_samples: int = 8
-    alpha_min: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
-        if not -1.0 <= self.alpha_min <= 0.0:
-            raise ValueError(f"alpha_min: must be in [-1, 0] (got {self.alpha_min})")
         if self.objective not in ("linear", "module"):
             raise ValueError(f"objective: must be linear or module (got {self.objective!r})")
         bad = [g for g in self.clip_groups if g not in CLIP_GROUPS]
@@ -165,10 +158,8 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
     if qc.duo:
         wa = w.abs().view(-1, qc.group_size)
         w_mean = (wa / (wa.amax(1, keepdim=True) + 1e-6)).view_as(w).mean(0)
-    grid = [qc.alpha_min + (1 - qc.alpha_min) * i / qc.n_grid for i in range(qc.n_grid)]
-    for alpha in grid:
-        if alpha == 0 and not qc.duo:
-            continue  # s = 1: the RTN candidate already scored
+    for i in range(1 if not qc.duo else 0, qc.n_grid):
+        alpha = i / qc.n_grid
         s = x_mean.pow(alpha)
         if w_mean is not None:
             s = s / (w_mean.pow(1 - alpha) + 1e-4)
