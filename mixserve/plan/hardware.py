@@ -27,6 +27,11 @@ from mixserve.plan.cost_model import linear_shapes
 from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch, StepModel
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# decode attention is timed on this grid of (rows, context) per call: its cost per slot is not
+# constant (a 32 x 2048 call costs 2.7x per slot what an 8 x 2048 one does on these CPUs, once the
+# gathered K/V outgrow the cache), so the planner interpolates the grid instead of a line
+DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
+DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
 PROFILE_VERSION = 1
 
 
@@ -159,15 +164,21 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
 
 
 def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print) -> dict:
-    """Decode attention over (rows, context) and span attention over (queries, context), one
-    layer, with least-squares fits (see MeasuredModel)."""
+    """Decode attention over a (rows, context) grid and span attention over (queries, context),
+    one layer, with least-squares fits; the decode grid itself is kept for the planner
+    (MeasuredModel interpolates it), the decode fit is for reading."""
     dec_pts = []
-    for b in (1, 8, 32):
-        for c in (128, 512, max_context):
+    rows_grid = DECODE_ATTENTION_ROWS
+    ctx_grid = sorted({c for c in DECODE_ATTENTION_CONTEXTS if c < max_context} | {max_context})
+    for b in rows_grid:
+        for c in ctx_grid:
             t = _attention_case(cfg, dtype, [c] * b, None, repeats)
             dec_pts.append({"rows": b, "context": c, "seconds": t})
     X = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in dec_pts])
     dec_fit = fit_nonneg(X, np.array([p["seconds"] for p in dec_pts]))
+    grid = {"rows": list(rows_grid), "context": ctx_grid,
+            "seconds": [[next(p["seconds"] for p in dec_pts if p["rows"] == b and p["context"] == c)
+                         for c in ctx_grid] for b in rows_grid]}
     span_pts = []
     for q, c in ((16, 16), (128, 128), (512, 512), (min(2048, max_context), min(2048, max_context)),
                  (64, 1024), (256, 1024), (5, 512)):
@@ -179,7 +190,7 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     log(f"  attention decode fit a={dec_fit[0] * 1e6:.1f}us b={dec_fit[1] * 1e6:.2f}us/row "
         f"c={dec_fit[2] * 1e9:.2f}ns/context-token; span fit a={span_fit[0] * 1e6:.1f}us "
         f"b={span_fit[1] * 1e6:.2f}us/query c={span_fit[2] * 1e9:.3f}ns/pair (per layer)")
-    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"]},
+    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid},
             "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
 
 

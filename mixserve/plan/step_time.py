@@ -14,6 +14,7 @@ with L layers. `StepModel` subclasses give the terms: `MeasuredModel` from a `hw
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from mixserve.models.config import ModelConfig
@@ -65,6 +66,41 @@ class Table:
         i = bisect.bisect_right(xs, x)
         w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
         return (1 - w) * ys[i - 1] + w * ys[i]
+
+
+class Grid:
+    """Seconds of one call of shape (rows, context) from a measured grid: bilinear in
+    (log rows, log context) on the time per slot (seconds / (rows * context)), times rows *
+    context. Per slot, because that is what varies slowly: the time itself spans three orders of
+    magnitude over the grid. Past the grid's largest rows or context the time per slot stays at
+    the edge's (proportional growth); below its smallest the call costs what the smallest measured
+    shape does (a call has a fixed cost that a smaller shape does not shrink)."""
+
+    def __init__(self, rows: list[int], contexts: list[int], seconds: list[list[float]]):
+        if len(seconds) != len(rows) or any(len(r) != len(contexts) for r in seconds):
+            raise ValueError("grid: seconds must be [len(rows)][len(contexts)]")
+        self.r0, self.c0 = rows[0], contexts[0]
+        self.lr = [math.log(r) for r in rows]
+        self.lc = [math.log(c) for c in contexts]
+        self.per_slot = [[t / (r * c) for t, c in zip(ts, contexts)] for ts, r in zip(seconds, rows)]
+
+    @staticmethod
+    def _bracket(xs: list[float], x: float) -> tuple[int, int, float]:
+        if x <= xs[0]:
+            return 0, 0, 0.0
+        if x >= xs[-1]:
+            return len(xs) - 1, len(xs) - 1, 0.0
+        i = bisect.bisect_right(xs, x)
+        return i - 1, i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def __call__(self, rows: int, context: int) -> float:
+        rows, context = max(rows, self.r0), max(context, self.c0)
+        i0, i1, wr = self._bracket(self.lr, math.log(max(1, rows)))
+        j0, j1, wc = self._bracket(self.lc, math.log(max(1, context)))
+        g = self.per_slot
+        top = (1 - wc) * g[i0][j0] + wc * g[i0][j1]
+        bot = (1 - wc) * g[i1][j0] + wc * g[i1][j1]
+        return ((1 - wr) * top + wr * bot) * rows * context
 
 
 class StepModel:
@@ -143,8 +179,9 @@ class MeasuredModel(StepModel):
 
     Linears: the measured seconds per call by rows, per shape and format (Table). Attention and
     overhead: the profile's least-squares fits, per layer:
-    decode t = a * calls + b * rows + c * padded slots, with calls and padding as the model runner
-    groups the rows (decode_groups); span t = a + b * q + c * (query-key pairs);
+    decode: each call, as the model runner groups and pads the rows (decode_groups), from the
+    profile's (rows, context) grid (Grid), or for older profiles t = a * calls + b * rows + c *
+    padded slots; span t = a + b * q + c * (query-key pairs);
     overhead t = a + b * seqs + c * tokens.
     """
 
@@ -157,6 +194,8 @@ class MeasuredModel(StepModel):
                        for fmt, shapes in profile["linear"].items()}
         att = profile["attention"]
         self.dec = att["decode"]["fit"]
+        g = att["decode"].get("grid")  # profiles before the grid have only the fit
+        self.dec_grid = Grid(g["rows"], g["context"], g["seconds"]) if g else None
         self.span = att["span"]["fit"]
         self.ovh = profile["overhead"]["fit"]
         self.block_size = profile.get("block_size", 16)
@@ -169,8 +208,10 @@ class MeasuredModel(StepModel):
 
     def decode_attention_time(self, contexts: list[int]) -> float:
         # the probe times one group of equal contexts; a real step's rows are grouped and each
-        # group padded as the model runner does, so charge the padded slots and a call per group
+        # group padded as the model runner does, so charge each group as a call of its padded shape
         groups = decode_groups(contexts, self.block_size)
+        if self.dec_grid is not None:
+            return sum(self.dec_grid(rows, ctx) for rows, ctx in groups)
         padded = sum(rows * ctx for rows, ctx in groups)
         return max(0.0, self.dec[0] * len(groups) + self.dec[1] * len(contexts) + self.dec[2] * padded)
 

@@ -224,3 +224,22 @@ def test_overhead_fit_takes_a_and_b_from_decode_steps_only():
     assert a == pytest.approx(0.030) and b == pytest.approx(0.0005) and c == 0.0
     pre = [{"seqs": 1, "tokens": 100, "seconds": 0.2 + 0.0305 + 100e-5, "predicted_compute": 0.2}]
     assert fit_overhead(dec, pre)[2] == pytest.approx(1e-5)
+
+
+def test_decode_attention_grid():
+    from mixserve.plan.step_time import Grid
+
+    # per slot: 1 us at 1 row, 0.25 us at 4 rows (64 ctx); 0.5 us and 0.25 us at 256 ctx
+    g = Grid([1, 4], [64, 256], [[64e-6, 128e-6], [64e-6, 256e-6]])
+    assert g(1, 64) == pytest.approx(64e-6) and g(4, 256) == pytest.approx(256e-6)  # grid points exact
+    assert g(2, 128) == pytest.approx((1e-6 + 0.5e-6 + 0.25e-6 + 0.25e-6) / 4 * 256)  # centre of the cell
+    assert g(8, 512) == pytest.approx(0.25e-6 * 8 * 512)  # past the corner: edge per slot, proportional
+    assert g(1, 16) == pytest.approx(64e-6)  # below the grid: the smallest call's time
+    # a profile with a grid charges each decode group (rows, padded context) from it
+    prof = fake_profile()
+    prof["attention"]["decode"]["grid"] = {"rows": [1, 4], "context": [64, 256],
+                                           "seconds": [[64e-6, 128e-6], [64e-6, 256e-6]]}
+    sm = MeasuredModel(CFG, prof)
+    assert sm.decode_attention_time([256] * 4) == pytest.approx(256e-6)
+    with pytest.raises(ValueError, match="grid"):
+        Grid([1, 4], [64], [[1.0]])
