@@ -29,6 +29,9 @@ CONFIGS = [
     ("sharegpt, 24 MiB KV (preemption; unseen)", "sharegpt", 64, "24MiB"),
     # added after the first round, with the grouped decode attention in the step model
     ("humaneval, 24 MiB KV (preemption; unseen in round 2)", "humaneval", 64, "24MiB"),
+    # added after round 5 (the decode attention grid), run with round 5's profile
+    ("synthetic long prompt, 48 MiB KV (preemption; unseen until round 5)", "SYNTH", 16, "48MiB"),
+    ("sharegpt, 128 requests, 64 MiB KV (preemption; unseen until round 5)", "sharegpt", 128, "64MiB"),
 ]
 
 
