@@ -23,12 +23,9 @@ import torch.nn.functional as F
 
 def forward_logits(cfg, w, ids: torch.Tensor) -> torch.Tensor:
     """float32 logits [B, T, vocab] of token ids [B, T] through the reference blocks."""
-    from mixserve.quant.awq import _rms, block_forward
+    from mixserve.quant.awq import _rms, block_forward, rope_tables
 
-    B, T = ids.shape
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-    f = torch.outer(torch.arange(T).float(), inv)
-    cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+    cos, sin = rope_tables(cfg, ids.shape[1])
     x = F.embedding(ids, w["model.embed_tokens.weight"])
     for i in range(cfg.num_layers):
         x = block_forward(cfg, w, f"model.layers.{i}.", x, cos, sin)
@@ -61,25 +58,14 @@ def main():
     ap.add_argument("--out", default="results/awq_ablation.json")
     a = ap.parse_args()
 
-    from transformers import AutoTokenizer
+    from awq_common import load_dense_and_calib
 
-    from mixserve.bench.corpora import calibration_docs, token_stream
     from mixserve.bench.ppl import bootstrap, slice_windows
     from mixserve.cli import machine_info
-    from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf, load_hf_weights
-    from mixserve.models.registry import resolve_model
     from mixserve.quant.awq import LINEARS, AWQConfig, quantize_weights
     from mixserve.quant.groupwise import fake_quantize, quantizable
 
-    r = resolve_model(a.model)
-    folder = convert_gguf(r.path) if r.kind == "gguf" else Path(r.path)
-    cfg = ModelConfig.from_folder(folder)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    dense = {k: v.float() for k, v in load_hf_weights(folder).items()}
-    ids = token_stream(calibration_docs(a.calib, tok), tok, a.calib_samples * a.calib_seq_len, tok.eos_token_id)
-    n = len(ids) // a.calib_seq_len
-    calib = torch.tensor(ids[: n * a.calib_seq_len]).view(n, a.calib_seq_len)
+    cfg, tok, dense, calib = load_dense_and_calib(a.model, a.calib, a.calib_samples, a.calib_seq_len)
     slices = {s: slice_windows(tok, s, a.tokens_per_slice, a.seq_len) for s in a.slices.split(",")}
 
     variants = [("rtn", AWQConfig(method="rtn"))]

@@ -57,26 +57,14 @@ def main() -> int:
     ap.add_argument("--out", default="results/awq_diagnose.json")
     a = ap.parse_args()
 
-    from transformers import AutoTokenizer
+    from awq_common import load_dense_and_calib
 
-    from mixserve.bench.corpora import calibration_docs, token_stream
     from mixserve.cli import machine_info
-    from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf, load_hf_weights
-    from mixserve.models.registry import resolve_model
-    from mixserve.quant.awq import block_forward
+    from mixserve.quant.awq import block_forward, rope_tables
 
-    r = resolve_model(a.model)
-    folder = convert_gguf(r.path) if r.kind == "gguf" else Path(r.path)
-    cfg = ModelConfig.from_folder(folder)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    w = {k: v.float() for k, v in load_hf_weights(folder).items()}
-    S, T = a.calib_samples, a.calib_seq_len
-    ids = token_stream(calibration_docs(a.calib, tok), tok, S * T, tok.eos_token_id)
-    calib = torch.tensor(ids[: S * T]).view(S, T)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-    fr = torch.outer(torch.arange(T).float(), inv)
-    cos, sin = torch.cat((fr, fr), -1).cos(), torch.cat((fr, fr), -1).sin()
+    cfg, _, w, calib = load_dense_and_calib(a.model, a.calib, a.calib_samples, a.calib_seq_len)
+    S, T = calib.shape
+    cos, sin = rope_tables(cfg, T)
     x = F.embedding(calib, w["model.embed_tokens.weight"])
     gen = torch.Generator().manual_seed(a.seed)
     rows = []

@@ -104,6 +104,14 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def rope_tables(cfg: ModelConfig, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [T, head_dim] of rotary positions 0..T-1 (the HF rotate-half layout)
+    for block_forward."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+    f = torch.outer(torch.arange(T).float(), inv)
+    return torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -290,9 +298,7 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
 
     x = F.embedding(calib, weights["model.embed_tokens.weight"].float())
     B, T = calib.shape
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-    freqs = torch.outer(torch.arange(T).float(), inv)
-    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    cos, sin = rope_tables(cfg, T)
     n_tok = B * T
     # strided samples starting at token 0 (as AutoAWQ samples), so every calibration window's
     # first tokens, where this family's massive activations live, are scored like the rest
