@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -327,9 +328,19 @@ def cmd_hw_probe(a) -> int:
     from mixserve.plan.hardware import probe
 
     formats = tuple(f.strip() for f in a.formats.split(",") if f.strip())
+    if not formats:
+        raise ValueError("formats: give bf16 and/or int4")
+    if a.repeats < 1:
+        raise ValueError(f"repeats: must be >= 1 (got {a.repeats})")
+    if not 64 <= a.max_context <= 32768:
+        raise ValueError(f"max_context: must be 64 to 32768 tokens (got {a.max_context})")
+    out = Path(a.out or f"results/hw-{Path(a.model).name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    # the probe takes minutes: find out now, not after it, that the output cannot be written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ValueError(f"out: cannot write {out}")
     prof = probe(a.model, _int_list(a.rows, "rows"), formats, a.repeats, a.max_context,
                  engine_steps=not a.no_engine_steps)
-    out = Path(a.out or f"results/hw-{Path(a.model).name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     _write_json(out, prof)
     return 0
 
@@ -353,10 +364,11 @@ def cmd_plan(a) -> int:
         raise ValueError(f"measure_max_tokens: must be >= 2 (got {a.measure_max_tokens})")
     if a.measure and a.spec_k < 1:
         raise ValueError(f"spec_k: measuring acceptance needs k >= 1 (got {a.spec_k})")
-    if not a.temperature >= 0:
-        raise ValueError(f"temperature: must be >= 0 (got {a.temperature})")
+    if not 0 <= a.temperature < float("inf"):
+        raise ValueError(f"temperature: must be finite and >= 0 (got {a.temperature})")
     quality = load_quality(a.awq_quality) if a.awq_quality else None
-    spec = SpecSettings(a.spec_alpha, a.spec_k, a.spec_draft_cost, "auto")
+    spec_given = a.spec_alpha is not None
+    spec = SpecSettings(a.spec_alpha if spec_given else 0.6, a.spec_k, a.spec_draft_cost, "auto")
     ps = PlanSettings(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                       kv_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, slo=slo,
@@ -365,7 +377,13 @@ def cmd_plan(a) -> int:
     folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     sm, hw = load_step_model(a.hardware, cfg)
+    if a.num_prompts is None and a.trace == "sharegpt":
+        a.num_prompts = 200
+    if a.num_prompts is not None and a.num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1 (got {a.num_prompts})")
     reqs = trace_requests(a.trace, a.model, a.num_prompts, a.seed, a.output_len_cap, a.max_prompt_len)
+    if not reqs:
+        raise ValueError("trace: no requests")
     measured = None
     if a.measure:
         measured = _measure_spec(a)
@@ -375,7 +393,9 @@ def cmd_plan(a) -> int:
     plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr))
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
     plan["spec_measured"] = measured
+    plan["spec_given"] = spec_given
     plan["awq_quality"] = quality
+    plan["awq_quality_file"] = a.awq_quality
     print(format_table(plan))
     out = Path(a.out or f"results/plan-{Path(a.trace).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     paths = write_report(plan, evals, out)
@@ -392,14 +412,37 @@ def _measure_spec(a) -> dict:
     tok = load_tokenizer(a.model)
     all_reqs = load_dataset(a.trace, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                             max_prompt_len=a.max_prompt_len)
-    sample = sample_trace(all_reqs, a.measure_requests, a.seed)
+    # only requests the engine can serve (the plan leaves the others out too)
+    fits = [r for r in all_reqs if r.prompt_len < 0 or r.prompt_len + 2 <= a.max_model_len]
+    if not fits:
+        raise ValueError(f"measure: no request of the trace fits max_model_len {a.max_model_len}")
+    sample = sample_trace(fits, a.measure_requests, a.seed)
     print(f"measuring speculation ({a.draft_model}, k={a.spec_k}) on {len(sample)} of {len(all_reqs)} requests, "
           f"up to {a.measure_max_tokens} output tokens each", file=sys.stderr)
     m = measure_speculation(a.model, sample, a.draft_model, a.spec_k, a.measure_max_tokens, a.temperature,
                             max_model_len=a.max_model_len, seed=a.seed)
     print(f"measured: alpha {m['alpha']:.3f} ({m['accepted']}/{m['evaluated']} draft positions), draft cost "
           f"c {m['draft_cost']:.3f}, {m['seconds']:.1f} s", file=sys.stderr)
+    m["warnings"] = []
+    if m["evaluated"] < 100:
+        m["warnings"].append(f"alpha rests on only {m['evaluated']} draft positions; raise --measure-requests or "
+                             "--measure-max-tokens for a steadier figure")
+    lines = _trace_lines(a.trace)
+    made_up = sum("prompt" not in line for line in lines)
+    if made_up:
+        m["warnings"].append(f"{made_up} of {len(lines)} trace lines give prompt_tokens, not text: alpha was "
+                             "measured partly or wholly on made-up prompts, not on this traffic")
+    for w in m["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     return m
+
+
+def _trace_lines(trace: str) -> list[dict]:
+    """A .jsonl trace's objects (none for a data set name); lines already validated by load_dataset."""
+    if not trace.endswith(".jsonl"):
+        return [{"prompt": ""}]
+    with open(trace, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def cmd_mix_describe(a) -> int:
@@ -549,11 +592,13 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (config and tokenizer)")
     p.add_argument("--hardware", required=True, help="a `hw probe` profile JSON, or h100-sxm | h200 | a100-80gb | l4 "
                                                      "(datasheet roofline, not measured here)")
-    p.add_argument("--slo", default="ttft_p99=2s,tpot_p99=200ms", help="e.g. ttft_p99=2s,tpot_p99=200ms")
+    p.add_argument("--slo", default="ttft_p99=2s,tpot_p99=200ms",
+                   help="percentile limits of the whole run (default ttft_p99=2s,tpot_p99=200ms)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size (default: memory left after weights on a datasheet device, else 1GiB)")
     p.add_argument("--out", default=None, help="report folder (default results/plan-*)")
-    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="first N requests (default: a whole trace file, 200 ShareGPT requests, all of HumanEval)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len-cap", type=int, default=256)
     p.add_argument("--max-prompt-len", type=int, default=1024)
@@ -561,7 +606,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--spec-alpha", type=float, default=0.6, help="speculative acceptance per token (assumed)")
+    p.add_argument("--spec-alpha", type=float, default=None,
+                   help="speculative acceptance per token (default 0.6, an assumption; --measure measures it)")
     p.add_argument("--spec-k", type=int, default=4, help="most speculative tokens per step")
     p.add_argument("--spec-draft-cost", type=float, default=0.0,
                    help="draft step time / target step time at the same rows (0: prompt lookup)")

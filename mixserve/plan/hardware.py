@@ -15,6 +15,7 @@ The profile is JSON; `load_step_model` turns it, or a named accelerator, into a 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -298,6 +299,13 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     cfg = ModelConfig.from_folder(folder)
     dtype = default_dtype()
     log(f"probing {model} on {machine_info()['cpu']} ({torch.get_num_threads()} threads, {dtype})")
+    warnings = []
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = os.cpu_count() or 1
+    if load > 0.5 * cores:
+        warnings.append(f"the load average was {load:.1f} on {cores} cores when the probe started: other work "
+                        "shares the CPUs, and the timings may not be this machine's")
+        log(f"  warning: {warnings[-1]}")
     t0 = time.perf_counter()
     bw = probe_bandwidth()
     log(f"  memory bandwidth (copy, read + write): {bw / 1e9:.1f} GB/s")
@@ -319,7 +327,32 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],
                             "note": "not measured (--no-engine-steps)"}
     prof["probe_seconds"] = time.perf_counter() - t0
+    for w in consistency_warnings(prof):
+        warnings.append(w)
+        log(f"  warning: {w}")
+    prof["warnings"] = warnings
     return prof
+
+
+def consistency_warnings(prof: dict, factor: float = 1.5) -> list[str]:
+    """Ways a profile contradicts itself: an engine decode step that the linear and attention
+    tables predict at more than `factor` times its measured time (the tables' parts cannot take
+    longer than the whole step). It happens when the CPUs are shared during the probe: with
+    every core's thread waiting on a busy neighbour, a 1-row matmul that takes 0.1 ms alone
+    took 8 ms. Returns one message per contradiction (empty when consistent)."""
+    out = []
+    pts = prof.get("overhead", {}).get("points", []) if isinstance(prof.get("overhead"), dict) else []
+    for p in pts if isinstance(pts, list) else []:
+        try:
+            bad = p["seqs"] == p["tokens"] and p["predicted_compute"] > factor * p["seconds"]
+        except (KeyError, TypeError):
+            continue  # a hand-edited point: not this check's business
+        if bad:
+            out.append(f"a decode step of {p['seqs']} rows took {p['seconds'] * 1e3:.1f} ms, but the matmul and "
+                       f"attention timings add up to {p['predicted_compute'] * 1e3:.1f} ms: the probe was disturbed "
+                       "(a busy machine, or more threads than free cores); run it again on a quiet machine, or "
+                       "with OMP_NUM_THREADS set to the free cores")
+    return out
 
 
 def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[StepModel, dict]:
@@ -361,5 +394,6 @@ def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[Step
         raise ValueError(f"hardware: {hardware} is not a complete `mixserve hw probe` profile "
                          f"({type(e).__name__}: {e})") from None
     return sm, {"kind": "measured", "label": "measured here", "model": prof.get("model"),
-                                       "machine": prof.get("machine"),
-                                       "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s")}
+                "machine": prof.get("machine"), "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s"),
+                "warnings": list(prof.get("warnings") or []) + [w for w in consistency_warnings(prof)
+                                                                 if w not in (prof.get("warnings") or [])]}

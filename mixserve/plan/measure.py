@@ -90,8 +90,17 @@ def load_quality(path: str | Path) -> dict:
     if not isinstance(cmp, dict) or not cmp or not isinstance(rep.get("slices"), dict):
         raise ValueError(f"awq_quality: {p} has no comparison with a baseline; make it with "
                          "`mixserve eval-ppl --quantization awq --baseline BASELINE.json --output FILE`")
+    num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
     out = {}
     for name, c in cmp.items():
-        ppl = rep["slices"].get(name, {}).get("ppl", math.nan)
-        out[name] = {"ppl": ppl, "delta": c["delta"], "ci95": c["ci95"], "significant": c["significant"]}
+        sl = rep["slices"].get(name)
+        ok = (isinstance(c, dict) and num(c.get("delta")) and isinstance(c.get("ci95"), list)
+              and len(c["ci95"]) == 2 and all(num(x) for x in c["ci95"]) and isinstance(c.get("significant"), bool)
+              and (sl is None or isinstance(sl, dict)))
+        if not ok:
+            raise ValueError(f"awq_quality: {p}: slice {name!r} is not an eval-ppl comparison (needs delta, ci95 "
+                             "[lo, hi] and significant under vs_baseline, and a dict under slices)")
+        ppl = sl.get("ppl", math.nan) if sl else math.nan
+        out[name] = {"ppl": ppl if num(ppl) else math.nan, "delta": c["delta"], "ci95": c["ci95"],
+                     "significant": c["significant"]}
     return out

@@ -71,6 +71,14 @@ class PlanSettings:
     seed: int = 0
     bisect_iters: int = 10
 
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "bisect_iters"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be an integer >= 2 (got {self.max_model_len!r})")
+
 
 def kv_budget(cfg: ModelConfig, sm: StepModel, ps: PlanSettings, fmt: WeightFormat, hw: dict) -> int:
     """KV cache bytes: as given, else on a datasheet device memory * fraction - weights (as vLLM's
@@ -232,6 +240,12 @@ def _measured_peak_flops(sm: MeasuredModel) -> float:
     return best
 
 
+def _median(xs: list[int]) -> float:
+    """Median of sorted xs, interpolated as `mix describe` does (numpy's linear method)."""
+    n = len(xs)
+    return float(xs[n // 2]) if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
 def typical_batches(res: SimResult, reqs: list[SimRequest], ps: PlanSettings) -> dict:
     """A typical prefill step (the trace's median prompt, chunked to the token budget) and a
     typical decode step (the mean number of sequences per step of the run, at the median
@@ -287,8 +301,14 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
     from mixserve.plan.cost_model import summary
 
     planner = Planner(cfg, sm, hw, reqs, ps)
+    if isinstance(sm, MeasuredModel):
+        sm.block_size = ps.block_size  # the runner pads decode groups to whole blocks of the planned size
     evals = {}
-    for v in default_variants(spec):
+    variants = default_variants(spec)
+    if isinstance(sm, MeasuredModel) and "int4" not in sm.tables:
+        log("note: the profile has no int4 timings (hw probe --formats bf16): AWQ is left out of the plan")
+        variants = [v for v in variants if v.fmt.name != "int4"]
+    for v in variants:
         log(f"simulating: {v.name}")
         evals[v.name] = planner.evaluate(v)
     names = list(evals)
@@ -335,8 +355,8 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         "model": {"config": cfg.as_dict(), "cost": summary(cfg)},
         "hardware": hw,
         "settings": {**{k: v for k, v in vars(ps).items()}, "spec": vars(spec)},
-        "trace": {"num_requests": len(reqs), "prompt_tokens_p50": prompts[len(prompts) // 2],
-                  "output_tokens_p50": outs[len(outs) // 2], "prompt_tokens_max": prompts[-1],
+        "trace": {"num_requests": len(reqs), "prompt_tokens_p50": _median(prompts),
+                  "output_tokens_p50": _median(outs), "prompt_tokens_max": prompts[-1],
                   "output_tokens_max": outs[-1], "rejected": len(rejected)},
         "kv": {"bytes_per_token": kv_tok, "budget_bytes": kv_budget(cfg, sm, ps, BF16, hw),
                "peak_blocks_offline": base["offline"]["extra"]["peak_kv_blocks"],

@@ -20,9 +20,13 @@ def format_table(plan: dict) -> str:
     """The plan's headline numbers and the ranking, as plain text (latencies in ms)."""
     hw, b, kv = plan["hardware"], plan["baseline"], plan["kv"]
     slo = ", ".join(f"{k}={v * 1e3:g}ms" for k, v in plan["settings"]["slo"].items())
-    lines = [f"hardware: {hw.get('name') or hw.get('model')} ({hw['label']})",
-             f"trace: {plan['trace']['num_requests']} requests, prompt p50 {plan['trace']['prompt_tokens_p50']} "
-             f"tokens, output p50 {plan['trace']['output_tokens_p50']} tokens",
+    where = hw.get("name") or (f"{hw['machine'].get('cpu')}, {hw['machine'].get('torch_threads')} threads, "
+                               f"probed {hw['machine'].get('date')} for {hw.get('model')}"
+                               if isinstance(hw.get("machine"), dict) else hw.get("model"))
+    lines = [f"hardware: {where} ({hw['label']})",
+             *[f"warning (hw probe): {w}" for w in hw.get("warnings") or []],
+             f"trace: {plan['trace']['num_requests']} requests, prompt p50 {plan['trace']['prompt_tokens_p50']:g} "
+             f"tokens, output p50 {plan['trace']['output_tokens_p50']:g} tokens",
              f"KV cache: {kv['budget_bytes'] / 2**20:.0f} MiB budget, {kv['bytes_per_token']} bytes/token; peak "
              f"{kv['peak_bytes_offline'] / 2**20:.0f} MiB offline, {kv['peak_bytes_at_max_rate'] / 2**20:.0f} MiB "
              f"at the max rate; all requests at once would need {kv['all_requests_at_once_bytes'] / 2**20:.0f} MiB",
@@ -59,15 +63,19 @@ def format_table(plan: dict) -> str:
         lines.append(f"speculation measured on {m['requests']} requests of this trace ({m['draft_model']}, k={m['k']}, "
                      f"temperature {m['temperature']:g}): alpha {m['alpha']:.3f} ({m['accepted']}/{m['evaluated']} "
                      f"draft positions), draft cost c {m['draft_cost']:.3f}")
+        lines += [f"  warning: {w}" for w in m.get("warnings") or []]
     else:
         sp = plan["settings"]["spec"]
-        lines.append(f"speculation: alpha {sp['alpha']:g} and draft cost c {sp['draft_cost']:g} as given, not measured "
-                     "(--measure measures them on a sample of the trace)")
+        how = "as given" if plan.get("spec_given", True) else "assumed (the defaults)"
+        lines.append(f"speculation: alpha {sp['alpha']:g} and draft cost c {sp['draft_cost']:g} (0: prompt lookup, "
+                     f"no draft model) {how}, not measured (--measure measures them on a sample of the trace)")
     q = plan.get("awq_quality")
     if q:
-        lines.append("AWQ quality (eval-ppl, perplexity increase over the baseline, 95% CI; * significant):")
+        lines.append(f"AWQ quality from {plan.get('awq_quality_file') or 'an eval-ppl report'} (perplexity increase "
+                     "over its baseline, 95% CI; * significant):")
+        w = max(len(n) for n in q)
         for name, d in q.items():
-            lines.append(f"  {name:<16} ppl {d['ppl']:.3f}  {d['delta']:+.3f} [{d['ci95'][0]:+.3f}, "
+            lines.append(f"  {name:<{w}}  ppl {d['ppl']:8.3f}  {d['delta']:+8.3f} [{d['ci95'][0]:+.3f}, "
                          f"{d['ci95'][1]:+.3f}]{' *' if d['significant'] else ''}")
     else:
         lines.append("AWQ quality: not given (--awq-quality REPORT from `mixserve eval-ppl --baseline ...`)")

@@ -56,8 +56,9 @@ class SpecSettings:
     def __post_init__(self):
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"spec_alpha: must be in [0, 1) (got {self.alpha})")
-        if self.k_max < 0 or self.draft_cost < 0:
-            raise ValueError("spec k and draft cost must be >= 0")
+        if self.k_max < 0 or not (0 <= self.draft_cost < float("inf")):
+            raise ValueError(f"spec k and draft cost must be finite and >= 0 (got k {self.k_max}, "
+                             f"draft cost {self.draft_cost})")
         if self.mode not in ("fixed", "auto"):
             raise ValueError(f"spec mode: fixed or auto (got {self.mode!r})")
 
@@ -214,7 +215,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 now = max(now, requests[pending[-1]].arrival_s)
                 continue
             raise RuntimeError("simulator: nothing can be scheduled (a request larger than the KV cache?)")
-        batch = StepBatch()
+        batch, plain = StepBatch(), StepBatch()
         for s in out.scheduled:
             q = s.num_new_tokens + s.lookahead
             if q == 1:
@@ -223,7 +224,14 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 batch.spans.append((q, s.end + s.lookahead))
             if s.samples:
                 batch.sampled_rows += 1 + s.lookahead
-        dt = step_time(batch)
+            if s.num_new_tokens == 1:
+                plain.decode_contexts.append(s.end)
+            else:
+                plain.spans.append((s.num_new_tokens, s.end))
+            plain.sampled_rows += int(s.samples)
+        # a verification step does all a plain step would and more: never cheaper than it, even
+        # where a profile's span attention (prefill timings) undercuts its decode attention
+        dt = max(step_time(batch), step_time(plain)) if k else step_time(batch)
         if k and cfg.spec.draft_cost:
             dt += _draft_time(cfg.spec, out, step_time)
         t0, now = now, now + dt
@@ -289,8 +297,9 @@ def _choose_k(cfg: SimConfig, sched: Scheduler, step_time) -> int:
             b = StepBatch([s.num_tokens for s in decoding], list(spans), len(decoding))
         else:
             b = StepBatch([], [(k + 1, s.num_tokens + k) for s in decoding] + spans, len(decoding) * (k + 1))
-        cost = step_time(b) + k * sp.draft_cost * step_time(StepBatch([s.num_tokens for s in decoding], [],
-                                                                      len(decoding)))
+        plain = StepBatch([s.num_tokens for s in decoding], list(spans), len(decoding))
+        cost = (max(step_time(b), step_time(plain))
+                + k * sp.draft_cost * step_time(StepBatch([s.num_tokens for s in decoding], [], len(decoding))))
         rate = len(decoding) * expected_tokens(sp.alpha, k) / cost
         if rate > best_rate:
             best_k, best_rate = k, rate

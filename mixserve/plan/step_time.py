@@ -46,16 +46,34 @@ class StepBatch:
         return len(self.decode_contexts) + len(self.spans)
 
 
+def _finite_nonneg(vals, what: str) -> list[float]:
+    out = [float(v) for v in vals]
+    if not all(math.isfinite(v) and v >= 0 for v in out):
+        raise ValueError(f"{what}: needs finite values >= 0 (got {vals!r:.80})")
+    return out
+
+
 class Table:
     """Piecewise-linear y(x) through measured points (x ascending): flat below the first point,
-    proportional to x above the last (a matmul past the measured rows is compute-bound)."""
+    proportional to x above the last (a matmul past the measured rows is compute-bound).
 
-    def __init__(self, xs: list[float], ys: list[float]):
+    With monotone=True each y is lowered to the smallest y at any larger x: a matmul over more
+    rows never takes less time, so a point above a larger one is a disturbed measurement (noise
+    only ever adds time). Left as measured, a 1-row time above the 2-row one makes a 2-row
+    speculative verification look cheaper than plain decoding. Raises ValueError for empty,
+    mismatched, negative or non-finite input."""
+
+    def __init__(self, xs: list[float], ys: list[float], monotone: bool = False):
         if not xs or len(xs) != len(ys):
             raise ValueError("table: needs as many y values as x values, at least one")
-        pts = sorted(zip(xs, ys))
-        self.xs = [float(x) for x, _ in pts]
-        self.ys = [float(y) for _, y in pts]
+        pts = sorted(zip(_finite_nonneg(xs, "table rows"), _finite_nonneg(ys, "table seconds")))
+        if pts[0][0] <= 0 or not all(y > 0 for _, y in pts):
+            raise ValueError("table: rows and seconds must be > 0")
+        self.xs = [x for x, _ in pts]
+        self.ys = [y for _, y in pts]
+        if monotone:
+            for i in range(len(self.ys) - 2, -1, -1):
+                self.ys[i] = min(self.ys[i], self.ys[i + 1])
 
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
@@ -77,8 +95,13 @@ class Grid:
     shape does (a call has a fixed cost that a smaller shape does not shrink)."""
 
     def __init__(self, rows: list[int], contexts: list[int], seconds: list[list[float]]):
-        if len(seconds) != len(rows) or any(len(r) != len(contexts) for r in seconds):
-            raise ValueError("grid: seconds must be [len(rows)][len(contexts)]")
+        if not rows or not contexts or len(seconds) != len(rows) or any(len(r) != len(contexts) for r in seconds):
+            raise ValueError("grid: seconds must be [len(rows)][len(contexts)], both non-empty")
+        for axis, vals in (("rows", rows), ("context", contexts)):
+            if any(not v > 0 for v in _finite_nonneg(vals, f"grid {axis}")) or list(vals) != sorted(set(vals)):
+                raise ValueError(f"grid: {axis} must be positive and strictly increasing (got {vals!r:.80})")
+        for r in seconds:
+            _finite_nonneg(r, "grid seconds")
         self.r0, self.c0 = rows[0], contexts[0]
         self.lr = [math.log(r) for r in rows]
         self.lc = [math.log(c) for c in contexts]
@@ -190,15 +213,27 @@ class MeasuredModel(StepModel):
     def __init__(self, cfg: ModelConfig, profile: dict):
         super().__init__(cfg)
         self.profile = profile
-        self.tables = {fmt: {name: Table(t["rows"], t["seconds"]) for name, t in shapes.items()}
+        self.tables = {fmt: {name: Table(t["rows"], t["seconds"], monotone=True) for name, t in shapes.items()}
                        for fmt, shapes in profile["linear"].items()}
+        for fmt, tabs in self.tables.items():
+            missing = [s.name for s in self.shapes if s.name not in tabs]
+            if missing:
+                raise ValueError(f"linear {fmt}: no timings for {', '.join(missing)}")
+        if "bf16" not in self.tables:
+            raise ValueError("linear: no bf16 timings")
         att = profile["attention"]
-        self.dec = att["decode"]["fit"]
         g = att["decode"].get("grid")  # profiles before the grid have only the fit
         self.dec_grid = Grid(g["rows"], g["context"], g["seconds"]) if g else None
-        self.span = att["span"]["fit"]
-        self.ovh = profile["overhead"]["fit"]
-        self.block_size = profile.get("block_size", 16)
+        self.dec = _finite_nonneg(att["decode"]["fit"], "attention decode fit")
+        self.span = _finite_nonneg(att["span"]["fit"], "attention span fit")
+        self.ovh = _finite_nonneg(profile["overhead"]["fit"], "overhead fit")
+        for name, f in (("attention decode fit", self.dec), ("attention span fit", self.span),
+                        ("overhead fit", self.ovh)):
+            if len(f) != 3:
+                raise ValueError(f"{name}: needs 3 coefficients (got {len(f)})")
+        self.block_size = int(profile.get("block_size", 16))
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1 (got {self.block_size})")
 
     def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
         name = fmt.name if (shape_name != "lm_head" or fmt.lm_head_int4) else "bf16"

@@ -39,6 +39,8 @@ class StepCostTable:
         return 1 << math.ceil(math.log2(rows))
 
     def record(self, rows: int, seconds: float) -> None:
+        if rows < 1 or not (0 < seconds < math.inf):
+            return  # no forward, or a clock glitch: nothing to learn a cost from
         b = self.bucket(rows)
         xs = self.samples.setdefault(b, [])
         xs.append((rows, seconds))

@@ -67,6 +67,11 @@ def test_load_quality(tmp_path):
     p.write_text(json.dumps(rep))
     with pytest.raises(ValueError, match="no comparison with a baseline"):
         load_quality(p)
+    for bad in ({"slices": {"c": {"ppl": 3.1}}, "vs_baseline": {"c": {"delta": 0.1}}},
+                {"slices": {"c": 3.1}, "vs_baseline": {"c": {"delta": 0.1, "ci95": [0, 1], "significant": True}}}):
+        p.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="not an eval-ppl comparison"):
+            load_quality(p)
     p.write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         load_quality(p)
@@ -87,11 +92,11 @@ def test_plan_table_says_what_was_measured_and_given():
                         trace, PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo={}), SpecSettings(0.5, 3),
                         log=lambda m: None)
     text = format_table(plan)
-    assert "alpha 0.5 and draft cost c 0 as given, not measured" in text
+    assert "alpha 0.5 and draft cost c 0 (0: prompt lookup, no draft model) as given, not measured" in text
     assert "AWQ quality: not given" in text
     plan["spec_measured"] = {"requests": 8, "draft_model": "ngram", "k": 4, "temperature": 0.0, "alpha": 0.42,
                              "accepted": 42, "evaluated": 100, "draft_cost": 0.0}
     plan["awq_quality"] = {"code": {"ppl": 5.1, "delta": 0.2, "ci95": [0.1, 0.3], "significant": True}}
     text = format_table(plan)
     assert "measured on 8 requests of this trace (ngram, k=4, temperature 0): alpha 0.420 (42/100" in text
-    assert "code             ppl 5.100  +0.200 [+0.100, +0.300] *" in text
+    assert "  code  ppl    5.100    +0.200 [+0.100, +0.300] *" in text

@@ -243,3 +243,71 @@ def test_decode_attention_grid():
     assert sm.decode_attention_time([256] * 4) == pytest.approx(256e-6)
     with pytest.raises(ValueError, match="grid"):
         Grid([1, 4], [64], [[1.0]])
+
+
+def test_a_self_contradicting_profile_is_flagged(tmp_path):
+    # a probe on a busy machine: its tables add up to 1.6 s for a decode step measured at 61 ms
+    prof = fake_profile()
+    prof["overhead"]["points"] = [{"seqs": 1, "tokens": 1, "seconds": 0.061, "predicted_compute": 1.648},
+                                  {"seqs": 8, "tokens": 8, "seconds": 0.07, "predicted_compute": 0.05},
+                                  {"seqs": 1, "tokens": 256, "seconds": 0.5, "predicted_compute": 0.9}]
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(prof))
+    _, hw = load_step_model(str(p), CFG)
+    assert len(hw["warnings"]) == 1 and "decode step of 1 rows took 61.0 ms" in hw["warnings"][0]
+    plan, _ = make_plan(CFG, MeasuredModel(CFG, prof), {**hw, "label": "measured here"}, trace()[:4],
+                        PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo={}), SpecSettings(0.5, 3),
+                        log=lambda m: None)
+    assert "warning (hw probe): a decode step of 1 rows" in format_table(plan)
+    p.write_text(json.dumps(fake_profile()))  # a consistent profile: no warning
+    assert load_step_model(str(p), CFG)[1]["warnings"] == []
+
+
+def test_speculation_gain_never_beats_tokens_per_step():
+    # decode attention dear, span attention nearly free (a disturbed profile): a verification
+    # step must still cost at least the plain decode step, so a lone stream gains at most E(k)
+    prof = fake_profile()
+    prof["attention"]["decode"] = {"fit": [5e-3, 0.0, 1e-6]}
+    prof["attention"]["span"] = {"fit": [0.0, 0.0, 0.0]}
+    sm = MeasuredModel(CFG, prof)
+    pl = Planner(CFG, sm, {"kind": "measured"}, [SimRequest(200, 64)],
+                 PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo={}))
+    base = pl.run(Variant("b")).report["output_tokens_per_s"]
+    spec = pl.run(Variant("s", spec=SpecSettings(0.6, 4, 0.0, "fixed"))).report["output_tokens_per_s"]
+    assert 1.2 < spec / base <= (1 - 0.6 ** 5) / (1 - 0.6) + 1e-9
+
+
+def test_linear_tables_are_made_monotone_and_bad_profiles_refused(tmp_path):
+    from mixserve.plan.step_time import Table
+
+    # a 1-row time above the 2-row one is a disturbed point: lowered, so more rows never cost less
+    t = Table([1, 2, 4], [0.5e-3, 0.26e-3, 0.3e-3], monotone=True)
+    assert t(1) == pytest.approx(0.26e-3) and t(2) == pytest.approx(0.26e-3) and t(4) == pytest.approx(0.3e-3)
+    assert Table([1, 2], [0.5e-3, 0.26e-3])(1) == pytest.approx(0.5e-3)  # as measured without the flag
+    p = tmp_path / "prof.json"
+    bad = {"negative seconds": lambda pr: pr["linear"]["bf16"]["qkv"].update(seconds=[-1, 1, 1]),
+           "no lm_head": lambda pr: pr["linear"]["bf16"].pop("lm_head"),
+           "short fit": lambda pr: pr["overhead"].update(fit=[0.01]),
+           "empty grid": lambda pr: pr["attention"]["decode"].update(grid={"rows": [], "context": [], "seconds": []}),
+           "reversed grid": lambda pr: pr["attention"]["decode"].update(
+               grid={"rows": [4, 1], "context": [64], "seconds": [[1e-3], [1e-4]]}),
+           "block size 0": lambda pr: pr.update(block_size=0)}
+    for what, edit in bad.items():
+        prof = fake_profile()
+        edit(prof)
+        p.write_text(json.dumps(prof))
+        with pytest.raises(ValueError, match="hardware: .*prof.json is not a complete"):
+            load_step_model(str(p), CFG)
+
+
+def test_bf16_only_profile_plans_without_awq():
+    prof = fake_profile()
+    del prof["linear"]["int4"]
+    notes = []
+    plan, _ = make_plan(CFG, MeasuredModel(CFG, prof), {"kind": "measured", "label": "measured here", "model": "f"},
+                        trace()[:4], PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo={}),
+                        SpecSettings(0.5, 3), log=notes.append)
+    assert not any(r["optimization"].startswith("AWQ") for r in plan["ranking"])
+    assert any("no int4 timings" in n for n in notes)
+    with pytest.raises(ValueError, match="block_size"):
+        PlanSettings(block_size=0)

@@ -103,3 +103,10 @@ def test_bucket_point_sits_at_the_rows_measured():
     assert t.estimate(160) == pytest.approx(5.0)
     assert t.estimate(96) == pytest.approx(3.0)
     assert t.estimate(320) == pytest.approx(10.0)
+
+
+def test_nonsense_timings_are_not_recorded():
+    t = StepCostTable()
+    for rows, s in ((0, 1.0), (-5, 1.0), (3, 0.0), (3, -1.0), (3, float("inf")), (3, float("nan"))):
+        t.record(rows, s)
+    assert t.estimate(3) is None and not t.has(3)
