@@ -39,8 +39,8 @@ class StepCostTable:
         return 1 << math.ceil(math.log2(rows))
 
     def record(self, rows: int, seconds: float) -> None:
-        if rows < 1 or not (0 < seconds < math.inf):
-            return  # no forward, or a clock glitch: nothing to learn a cost from
+        if rows < 1 or not (0 <= seconds < math.inf):
+            return  # no forward, or a clock glitch: nothing to learn a cost from (0 is real: prompt lookup)
         b = self.bucket(rows)
         xs = self.samples.setdefault(b, [])
         xs.append((rows, seconds))
@@ -169,7 +169,7 @@ class SpecController:
         factors = self.position_factors()
         for k in range(self.k_max + 1):
             cost = self.target.estimate(b * (k + 1) + prefill_tokens) + k * self.draft.estimate(b)
-            rate = sum(self.expected(a, k, factors) for a in alphas) / cost
+            rate = sum(self.expected(a, k, factors) for a in alphas) / max(cost, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self._auto_steps += 1

@@ -107,6 +107,22 @@ def test_bucket_point_sits_at_the_rows_measured():
 
 def test_nonsense_timings_are_not_recorded():
     t = StepCostTable()
-    for rows, s in ((0, 1.0), (-5, 1.0), (3, 0.0), (3, -1.0), (3, float("inf")), (3, float("nan"))):
+    for rows, s in ((0, 1.0), (-5, 1.0), (3, -1.0), (3, float("inf")), (3, float("nan"))):
         t.record(rows, s)
     assert t.estimate(3) is None and not t.has(3)
+    for _ in range(3):  # a free proposer (prompt lookup) costs 0 s, and that must count as measured
+        t.record(3, 0.0)
+    assert t.has(3) and t.estimate(3) == 0.0
+
+
+def test_free_proposer_ends_exploration_and_batch_compute_bound_picks_k0():
+    # prompt lookup costs 0 s; at a batch of 32 rows every extra verified row costs as much as a
+    # decoded one (compute-bound), so at alpha 0.5 speculating does not pay
+    ctl = SpecController("auto", 4)
+    for _ in range(3):
+        for k in range(5):
+            ctl.target.record(32 * (k + 1), 1e-3 * 32 * (k + 1))
+        ctl.draft.record(32, 0.0)
+    for _ in range(200):
+        ctl.observe(1, 2)
+    assert ctl.choose([0.5] * 32, 0) == 0
