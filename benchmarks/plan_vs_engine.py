@@ -49,6 +49,9 @@ def main() -> int:
     ap.add_argument("--output-len-cap", type=int, default=256)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every request count (smoke runs)")
     ap.add_argument("--configs", default=None, help="comma-separated indices into CONFIGS (default: all)")
+    ap.add_argument("--repredict", default=None,
+                    help="a *.predictions.json: predict its configurations again with this code and the same "
+                         "profile, print old -> new, run nothing")
     a = ap.parse_args()
 
     from mixserve.cli import machine_info
@@ -76,6 +79,10 @@ def main() -> int:
     if a.configs:
         configs = [configs[int(i)] for i in a.configs.split(",")]
 
+    old = None
+    if a.repredict:
+        old = json.loads(Path(a.repredict).read_text())
+        configs = [(n, p["dataset"], p["num_prompts"], p["kv_cache_memory"]) for n, p in old["configs"].items()]
     preds = {"made_at": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": a.profile, "machine": machine_info(),
              "configs": {}}
     for name, ds, num, kv in configs:
@@ -90,6 +97,14 @@ def main() -> int:
                                   "peak_kv_blocks": res.peak_kv_blocks}
         print(f"predicted {name}: {rep['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
               f"{rep['tpot_s']['p50'] * 1e3:.1f} ms, {res.num_preemptions} preemptions", flush=True)
+    if old is not None:
+        for name, p in preds["configs"].items():
+            o = old["configs"][name]
+            print(f"{name}: out tok/s {o['output_tokens_per_s']:.1f} -> {p['output_tokens_per_s']:.1f} "
+                  f"({100 * (p['output_tokens_per_s'] / o['output_tokens_per_s'] - 1):+.1f}%), TPOT p50 "
+                  f"{o['tpot_p50_s'] * 1e3:.1f} -> {p['tpot_p50_s'] * 1e3:.1f} ms "
+                  f"({100 * (p['tpot_p50_s'] / o['tpot_p50_s'] - 1):+.1f}%)")
+        return 0
     pred_path = out.with_suffix(".predictions.json")
     pred_path.write_text(json.dumps(preds, indent=1))
     print(f"wrote {pred_path} (before any measured run)", flush=True)

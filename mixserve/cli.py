@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -376,7 +377,7 @@ def cmd_plan(a) -> int:
     r = resolve_model(a.model)
     folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
-    sm, hw = load_step_model(a.hardware, cfg)
+    sm, hw = load_step_model(a.hardware, cfg, block_size=a.block_size)
     if a.num_prompts is None and a.trace == "sharegpt":
         a.num_prompts = 200
     if a.num_prompts is not None and a.num_prompts < 1:
@@ -387,9 +388,9 @@ def cmd_plan(a) -> int:
     measured = None
     if a.measure:
         measured = _measure_spec(a)
+        c = measured["draft_cost"]
         spec = SpecSettings(min(measured["alpha"], 0.999), a.spec_k,
-                            measured["draft_cost"] if measured["draft_cost"] == measured["draft_cost"]
-                            else a.spec_draft_cost, "auto")
+                            a.spec_draft_cost if math.isnan(c) else c, "auto")
     plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr))
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
     plan["spec_measured"] = measured
@@ -427,22 +428,14 @@ def _measure_spec(a) -> dict:
     if m["evaluated"] < 100:
         m["warnings"].append(f"alpha rests on only {m['evaluated']} draft positions; raise --measure-requests or "
                              "--measure-max-tokens for a steadier figure")
-    lines = _trace_lines(a.trace)
-    made_up = sum("prompt" not in line for line in lines)
+    made_up = sum(r.synthetic for r in sample)
     if made_up:
-        m["warnings"].append(f"{made_up} of {len(lines)} trace lines give prompt_tokens, not text: alpha was "
-                             "measured partly or wholly on made-up prompts, not on this traffic")
+        m["warnings"].append(f"{made_up} of the {len(sample)} sampled trace lines give prompt_tokens, not text: "
+                             "alpha was measured partly or wholly on made-up prompts, not on this traffic")
     for w in m["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     return m
 
-
-def _trace_lines(trace: str) -> list[dict]:
-    """A .jsonl trace's objects (none for a data set name); lines already validated by load_dataset."""
-    if not trace.endswith(".jsonl"):
-        return [{"prompt": ""}]
-    with open(trace, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def cmd_mix_describe(a) -> int:

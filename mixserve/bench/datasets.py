@@ -65,6 +65,8 @@ class BenchRequest:
         HumanEval canonical solution, trace ``output_tokens``), if known.
     arrival_s: arrival time in seconds from the start of the trace (trace
         ``arrival_s``), or None when the request has no arrival time of its own.
+    synthetic: the prompt text is made up (a trace line gave ``prompt_tokens``,
+        not text): its length is the user's, its content is not.
     """
 
     prompt: str
@@ -73,6 +75,7 @@ class BenchRequest:
     tag: str
     ref_output_len: int | None = None
     arrival_s: float | None = None
+    synthetic: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -640,7 +643,8 @@ def load_jsonl(
                         or not math.isfinite(arrival) or arrival < 0):
                     raise ValueError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got {arrival!r}")
                 arrival = float(arrival)
-            out.append(BenchRequest(prompt, max_tokens, plen, tag, ref, arrival))
+            out.append(BenchRequest(prompt, max_tokens, plen, tag, ref, arrival,
+                                    synthetic=obj.get("prompt_tokens") is not None))
     return out
 
 

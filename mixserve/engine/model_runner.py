@@ -12,6 +12,7 @@ import torch
 
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from mixserve.models.config import ModelConfig
 
 # Decode rows are split into a new attention group once the next row's context is shorter than
 # _GROUP_RATIO of the group's longest and the group has _MIN_GROUP rows: less padding to gather.
@@ -31,7 +32,6 @@ def decode_group_bounds(contexts: list[int]) -> list[tuple[int, int]]:
             out.append((start, i + 1))
             start = i + 1
     return out
-from mixserve.models.config import ModelConfig
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu"):

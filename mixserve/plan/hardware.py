@@ -355,10 +355,13 @@ def consistency_warnings(prof: dict, factor: float = 1.5) -> list[str]:
     return out
 
 
-def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[StepModel, dict]:
+def load_step_model(hardware: str, cfg: ModelConfig | None = None,
+                    block_size: int | None = None) -> tuple[StepModel, dict]:
     """A StepModel from a profile JSON path or an accelerator name (h100-sxm, h200, a100-80gb,
     l4). `cfg` is the model to plan for; a measured profile is only valid for the model it was
-    measured with (its shapes). Returns (model, description dict).
+    measured with (its shapes). block_size: the KV block size (tokens) planned for, to which decode
+    groups are padded (default: the profile's, else 16). Returns (model, description dict); a
+    measured profile's description carries the probe's warnings.
 
     Raises ValueError for an unknown name, an unreadable profile, or a model/profile mismatch.
     """
@@ -388,12 +391,12 @@ def load_step_model(hardware: str, cfg: ModelConfig | None = None) -> tuple[Step
             raise ValueError(f"hardware: {hardware} was measured for {prof.get('model')!r}, whose shapes differ "
                              "from the model planned for; run `mixserve hw probe --model` for it")
     try:
-        sm = MeasuredModel(pcfg, prof)
+        sm = MeasuredModel(pcfg, prof, block_size)
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         # a truncated or hand-edited profile: name what is missing instead of a traceback
         raise ValueError(f"hardware: {hardware} is not a complete `mixserve hw probe` profile "
                          f"({type(e).__name__}: {e})") from None
     return sm, {"kind": "measured", "label": "measured here", "model": prof.get("model"),
                 "machine": prof.get("machine"), "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s"),
-                "warnings": list(prof.get("warnings") or []) + [w for w in consistency_warnings(prof)
-                                                                 if w not in (prof.get("warnings") or [])]}
+                # profiles from before the probe kept its warnings are checked here
+                "warnings": list(prof.get("warnings") or consistency_warnings(prof))}

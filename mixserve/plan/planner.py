@@ -301,8 +301,6 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
     from mixserve.plan.cost_model import summary
 
     planner = Planner(cfg, sm, hw, reqs, ps)
-    if isinstance(sm, MeasuredModel):
-        sm.block_size = ps.block_size  # the runner pads decode groups to whole blocks of the planned size
     evals = {}
     variants = default_variants(spec)
     if isinstance(sm, MeasuredModel) and "int4" not in sm.tables:

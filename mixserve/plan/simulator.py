@@ -215,23 +215,12 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 now = max(now, requests[pending[-1]].arrival_s)
                 continue
             raise RuntimeError("simulator: nothing can be scheduled (a request larger than the KV cache?)")
-        batch, plain = StepBatch(), StepBatch()
-        for s in out.scheduled:
-            q = s.num_new_tokens + s.lookahead
-            if q == 1:
-                batch.decode_contexts.append(s.end)
-            else:
-                batch.spans.append((q, s.end + s.lookahead))
-            if s.samples:
-                batch.sampled_rows += 1 + s.lookahead
-            if s.num_new_tokens == 1:
-                plain.decode_contexts.append(s.end)
-            else:
-                plain.spans.append((s.num_new_tokens, s.end))
-            plain.sampled_rows += int(s.samples)
-        # a verification step does all a plain step would and more: never cheaper than it, even
-        # where a profile's span attention (prefill timings) undercuts its decode attention
-        dt = max(step_time(batch), step_time(plain)) if k else step_time(batch)
+        batch = _step_batch(out.scheduled, with_lookahead=True)
+        dt = step_time(batch)
+        if k:
+            # a verification step does all a plain step would and more: never cheaper than it, even
+            # where a profile's span attention (prefill timings) undercuts its decode attention
+            dt = max(dt, step_time(_step_batch(out.scheduled, with_lookahead=False)))
         if k and cfg.spec.draft_cost:
             dt += _draft_time(cfg.spec, out, step_time)
         t0, now = now, now + dt
@@ -278,6 +267,22 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                                                "preemptions": sched.num_preemptions, "engine_steps": len(steps),
                                                "rejected": len(rejected)})
     return res
+
+
+def _step_batch(scheduled, with_lookahead: bool) -> StepBatch:
+    """The StepBatch of a step's scheduled sequences, with their speculative rows or (False) as the
+    plain step that would run without them."""
+    b = StepBatch()
+    for s in scheduled:
+        extra = s.lookahead if with_lookahead else 0
+        q = s.num_new_tokens + extra
+        if q == 1:
+            b.decode_contexts.append(s.end)
+        else:
+            b.spans.append((q, s.end + extra))
+        if s.samples:
+            b.sampled_rows += 1 + extra
+    return b
 
 
 def _choose_k(cfg: SimConfig, sched: Scheduler, step_time) -> int:

@@ -206,11 +206,13 @@ class MeasuredModel(StepModel):
     profile's (rows, context) grid (Grid), or for older profiles t = a * calls + b * rows + c *
     padded slots; span t = a + b * q + c * (query-key pairs);
     overhead t = a + b * seqs + c * tokens.
+    block_size: KV block size in tokens (default: the profile's, else 16). Raises ValueError for a
+    profile with missing, negative or non-finite timings.
     """
 
     kind = "measured"
 
-    def __init__(self, cfg: ModelConfig, profile: dict):
+    def __init__(self, cfg: ModelConfig, profile: dict, block_size: int | None = None):
         super().__init__(cfg)
         self.profile = profile
         self.tables = {fmt: {name: Table(t["rows"], t["seconds"], monotone=True) for name, t in shapes.items()}
@@ -231,7 +233,8 @@ class MeasuredModel(StepModel):
                         ("overhead fit", self.ovh)):
             if len(f) != 3:
                 raise ValueError(f"{name}: needs 3 coefficients (got {len(f)})")
-        self.block_size = int(profile.get("block_size", 16))
+        # the engine's KV block size to plan for: decode groups are padded to whole blocks
+        self.block_size = int(block_size or profile.get("block_size", 16))
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1 (got {self.block_size})")
 

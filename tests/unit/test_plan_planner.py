@@ -311,3 +311,13 @@ def test_bf16_only_profile_plans_without_awq():
     assert any("no int4 timings" in n for n in notes)
     with pytest.raises(ValueError, match="block_size"):
         PlanSettings(block_size=0)
+
+
+def test_planned_block_size_pads_decode_groups(tmp_path):
+    p = tmp_path / "prof.json"
+    p.write_text(json.dumps(fake_profile()))
+    small, _ = load_step_model(str(p), CFG)
+    big, _ = load_step_model(str(p), CFG, block_size=256)
+    # one row of 100 tokens: padded to 112 slots in blocks of 16, to 256 in blocks of 256
+    assert small.decode_attention_time([100]) == pytest.approx(10e-6 + 112e-9)
+    assert big.decode_attention_time([100]) == pytest.approx(10e-6 + 256e-9)

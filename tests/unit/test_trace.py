@@ -61,6 +61,7 @@ def test_load_jsonl_prompt_tokens_and_arrivals(tmp_path):
         (40, 8, 8, "doc", 0.0), (3, 4, None, "jsonl", 1.5), (40, 2, None, "jsonl", None)]
     assert len(reqs[0].prompt.split()) == 40
     assert reqs[0].prompt != reqs[2].prompt  # seeded by line: not 200 copies of one document
+    assert [r.synthetic for r in reqs] == [True, False, True]  # made-up text is marked (plan --measure says so)
     assert [r.prompt for r in load_jsonl(p, tokenizer=TOK)] == [r.prompt for r in reqs]
 
 
