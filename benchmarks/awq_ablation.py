@@ -61,7 +61,7 @@ def main():
     from awq_common import load_dense_and_calib
 
     from mixserve.bench.ppl import bootstrap, slice_windows
-    from mixserve.cli import machine_info
+    from mixserve.env import machine_info
     from mixserve.quant.awq import LINEARS, AWQConfig, quantize_weights
     from mixserve.quant.groupwise import fake_quantize, quantizable
 

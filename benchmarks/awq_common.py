@@ -12,9 +12,9 @@ def load_dense_and_calib(model: str, calib: str, samples: int, seq_len: int):
     built-in model, GGUF path or HF folder; n <= samples when the source has fewer tokens."""
     from transformers import AutoTokenizer
 
-    from mixserve.bench.corpora import calibration_docs, token_stream
+    from mixserve.data.corpora import calibration_docs, token_stream
     from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf, load_hf_weights
+    from mixserve.models.weights import convert_gguf, load_hf_weights
     from mixserve.models.registry import resolve_model
 
     r = resolve_model(model)

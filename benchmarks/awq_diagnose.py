@@ -59,7 +59,7 @@ def main() -> int:
 
     from awq_common import load_dense_and_calib
 
-    from mixserve.cli import machine_info
+    from mixserve.env import machine_info
     from mixserve.quant.awq import block_forward, rope_tables
 
     cfg, _, w, calib = load_dense_and_calib(a.model, a.calib, a.calib_samples, a.calib_seq_len)

@@ -1,5 +1,5 @@
 """AWQ quality per slice, side by side in one run: the dense baseline, RTN (int4 at load) and one
-or more AWQ checkpoints of the same model, on the held-out slices of bench/corpora.py. Reports
+or more AWQ checkpoints of the same model, on the held-out slices of data/corpora.py. Reports
 perplexity with 95% bootstrap intervals and each int4 model's paired increase over the baseline.
 
     python benchmarks/awq_quality.py --model qwen2.5-coder-0.5b-instruct \
@@ -27,8 +27,9 @@ def main():
     a = ap.parse_args()
 
     from mixserve.bench.ppl import compare, evaluate
-    from mixserve.cli import machine_info
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.env import machine_info
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     slices = a.slices.split(",")
     runs = [("baseline", dict(model=a.model))]

@@ -81,9 +81,10 @@ def main():
     ap.add_argument("--out", default="results/awq_speed.json")
     a = ap.parse_args()
 
-    from mixserve.bench.datasets import load_humaneval
-    from mixserve.cli import machine_info
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.data.datasets import load_humaneval
+    from mixserve.env import machine_info
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     common = dict(dtype="bfloat16", kv_cache_memory="512MiB", max_num_seqs=4, progress=False)
     engines = {"ours-bf16": LLMEngine(EngineArgs(model=a.model, **common)),

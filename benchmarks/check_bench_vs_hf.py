@@ -30,7 +30,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from mixserve import SamplingParams
-    from mixserve.bench.datasets import load_sharegpt
+    from mixserve.data.datasets import load_sharegpt
     from mixserve.llm import LLM
 
     llm = LLM(a.model, dtype="float32", progress=False)

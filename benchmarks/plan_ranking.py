@@ -49,13 +49,13 @@ def main() -> int:
                     help="requests of each mix sampled to measure speculation's alpha (as plan --measure)")
     a = ap.parse_args()
 
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.cli import machine_info
-    from mixserve.models.loader import load_tokenizer
+    from mixserve.data.datasets import load_dataset
+    from mixserve.env import machine_info
+    from mixserve.models.weights import load_tokenizer
     from mixserve.plan.measure import measure_speculation, sample_trace
-    from mixserve.engine.llm_engine import parse_bytes
+    from mixserve.engine.args import parse_bytes
     from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
     from mixserve.plan.cost_model import WeightFormat
     from mixserve.plan.hardware import load_step_model

@@ -22,8 +22,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     a = ap.parse_args()
 
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.data.datasets import load_dataset
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.step_time import StepBatch
     from mixserve.sampling_params import SamplingParams

@@ -54,10 +54,10 @@ def main() -> int:
                          "profile, print old -> new, run nothing")
     a = ap.parse_args()
 
-    from mixserve.cli import machine_info
-    from mixserve.engine.llm_engine import parse_bytes
+    from mixserve.env import machine_info
+    from mixserve.engine.args import parse_bytes
     from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.planner import PlanSettings, Planner, Variant, trace_requests

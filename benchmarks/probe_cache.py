@@ -23,7 +23,7 @@ def main() -> int:
     ap.add_argument("--out", default="results/probe_cache.json")
     a = ap.parse_args()
 
-    from mixserve.cli import machine_info
+    from mixserve.env import machine_info
     from mixserve.plan.hardware import _make_linear
 
     rows = []

@@ -199,10 +199,10 @@ def main():
 
     from transformers import AutoTokenizer
 
-    from mixserve.bench.datasets import load_sharegpt
+    from mixserve.data.datasets import load_sharegpt
     from mixserve.bench.online import format_online, online_report, run_online_async
-    from mixserve.cli import machine_info
-    from mixserve.models.loader import convert_gguf
+    from mixserve.env import machine_info
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -24,7 +24,7 @@ def main():
     a = ap.parse_args()
 
     from mixserve import SamplingParams
-    from mixserve.bench.datasets import load_humaneval
+    from mixserve.data.datasets import load_humaneval
     from mixserve.llm import LLM
 
     llm = LLM(a.target, dtype="float32", kv_cache_memory="2GiB", draft_model=a.draft,

@@ -46,7 +46,7 @@ def run_dataset(eng, configs, prompts, temperature, max_tokens, seed=0):
     the host's drift in speed falls on every configuration alike. Each configuration keeps its
     own controller (auto keeps what it learnt across prompts; fixed k and plain keep the
     engine's online step-cost tables that feed the cost model)."""
-    from mixserve.spec.controller import SpecController
+    from mixserve.spec_decode.controller import SpecController
 
     ctls = {name: SpecController(mode if eng.proposer else "off", k) for name, (mode, k) in configs}
     accs = {name: {"elapsed": 0.0, "tokens": 0, "accepted": 0, "evaluated": 0, "proposed": 0, "steps": 0,
@@ -112,10 +112,11 @@ def main():
     ap.add_argument("--out", default="results/spec_speed.json")
     a = ap.parse_args()
 
-    from mixserve.bench.datasets import load_humaneval, load_sharegpt
-    from mixserve.cli import machine_info
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
-    from mixserve.spec.controller import expected_tokens
+    from mixserve.data.datasets import load_humaneval, load_sharegpt
+    from mixserve.env import machine_info
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.spec_decode.controller import expected_tokens
 
     eng = LLMEngine(EngineArgs(model=a.target, dtype=a.dtype, draft_model=a.draft, kv_cache_memory="1GiB",
                                progress=False))
@@ -182,7 +183,7 @@ def main():
 
         dt = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
         tgt = AutoModelForCausalLM.from_pretrained(str(eng.model_dir), dtype=dt).eval()
-        from mixserve.models.loader import convert_gguf
+        from mixserve.models.weights import convert_gguf
         from mixserve.models.registry import resolve_model
 
         dr = AutoModelForCausalLM.from_pretrained(str(convert_gguf(resolve_model(a.draft).path)), dtype=dt).eval()

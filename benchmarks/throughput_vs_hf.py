@@ -25,7 +25,7 @@ import torch
 
 
 def load_requests(tokenizer, n, seed):
-    from mixserve.bench.datasets import load_sharegpt
+    from mixserve.data.datasets import load_sharegpt
 
     return load_sharegpt(tokenizer, n, seed=seed, max_prompt_len=1024, max_output_len=256)
 
@@ -33,7 +33,8 @@ def load_requests(tokenizer, n, seed):
 def side_ours(a) -> dict:
     from mixserve import SamplingParams
     from mixserve.bench.offline import run_offline
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     eng = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, progress=False))
     reqs = load_requests(eng.tokenizer, a.num_prompts, a.seed)
@@ -58,7 +59,7 @@ def side_ours(a) -> dict:
 def side_hf(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
 
     r = resolve_model(a.model)
@@ -108,7 +109,7 @@ def main():
         res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print("RESULT " + json.dumps(res), flush=True)
         return
-    from mixserve.cli import machine_info
+    from mixserve.env import machine_info
 
     results = {"config": vars(a), "machine": machine_info()}
     for side in ("ours", "hf"):

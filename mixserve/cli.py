@@ -5,15 +5,16 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 
+from mixserve.env import machine_info
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from mixserve.engine.llm_engine import EngineArgs
+    from mixserve.engine.args import EngineArgs
 
     d = EngineArgs()
     p.add_argument("--model", default=d.model, help="built-in name, GGUF path or HF folder (default %(default)s)")
@@ -45,29 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args(a: argparse.Namespace, **over):
-    from mixserve.engine.llm_engine import EngineArgs
+    from mixserve.engine.args import EngineArgs
 
     names = {f.name for f in fields(EngineArgs)}
     kw = {k: v for k, v in vars(a).items() if k in names}
     kw.update(over)
     return EngineArgs(**kw)
-
-
-def machine_info() -> dict:
-    import os
-
-    import torch
-
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
 def _write_json(out: Path, obj) -> None:
@@ -110,9 +94,9 @@ def cmd_bench_online(a) -> int:
 
     import httpx
 
-    from mixserve.bench.datasets import load_dataset
+    from mixserve.data.datasets import load_dataset
     from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
-    from mixserve.models.loader import load_tokenizer
+    from mixserve.models.weights import load_tokenizer
     from mixserve.models.registry import resolve_model
 
     rate = float(a.request_rate)
@@ -161,8 +145,9 @@ def cmd_bench_compare_allocators(a) -> int:
     """`bench --compare-allocators`: paged vs contiguous (two reservations) on the same requests and
     KV budget, one process; prints a table and writes the JSON."""
     from mixserve.bench.allocators import compare_allocators, format_comparison
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.engine.llm_engine import load_model, parse_dtype
+    from mixserve.data.datasets import load_dataset
+    from mixserve.engine.args import parse_dtype
+    from mixserve.models.loader import load_model
 
     if a.url or a.draft_model not in (None, "ngram"):
         raise ValueError("compare_allocators: runs the engine in this process, without --url or a draft model")
@@ -192,7 +177,7 @@ def cmd_bench(a) -> int:
         return cmd_bench_compare_allocators(a)
     if a.url:
         return cmd_bench_online(a)
-    from mixserve.bench.datasets import load_dataset
+    from mixserve.data.datasets import load_dataset
     from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
     from mixserve.engine.llm_engine import LLMEngine
@@ -272,7 +257,7 @@ def cmd_quantize(a) -> int:
 
 
 def cmd_eval_ppl(a) -> int:
-    from mixserve.bench.corpora import EVAL_SLICES
+    from mixserve.data.corpora import EVAL_SLICES
     from mixserve.bench.ppl import compare, evaluate
     from mixserve.engine.llm_engine import LLMEngine
 
@@ -347,9 +332,9 @@ def cmd_hw_probe(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    from mixserve.engine.llm_engine import parse_bytes
+    from mixserve.engine.args import parse_bytes
     from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.measure import load_quality
@@ -406,8 +391,8 @@ def cmd_plan(a) -> int:
 
 def _measure_spec(a) -> dict:
     """plan --measure: α and draft cost on a seeded sample of the trace, on the real engine."""
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.models.loader import load_tokenizer
+    from mixserve.data.datasets import load_dataset
+    from mixserve.models.weights import load_tokenizer
     from mixserve.plan.measure import measure_speculation, sample_trace
 
     tok = load_tokenizer(a.model)
@@ -439,9 +424,9 @@ def _measure_spec(a) -> dict:
 
 
 def cmd_mix_describe(a) -> int:
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.bench.trace import describe_requests, format_description, plot_histograms
-    from mixserve.models.loader import load_tokenizer
+    from mixserve.data.datasets import load_dataset
+    from mixserve.data.trace import describe_requests, format_description, plot_histograms
+    from mixserve.models.weights import load_tokenizer
 
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1 (got {a.num_prompts})")
@@ -462,13 +447,13 @@ def cmd_mix_describe(a) -> int:
 
 
 def cmd_mix_sample(a) -> int:
-    from mixserve.bench.trace import add_arrivals, sample_requests, write_trace
+    from mixserve.data.trace import add_arrivals, sample_requests, write_trace
 
     if a.request_rate is not None and not a.request_rate > 0:
         raise ValueError(f"request_rate: must be > 0 requests/s (got {a.request_rate})")
     tok = None
     if a.source == "sharegpt":
-        from mixserve.models.loader import load_tokenizer
+        from mixserve.models.weights import load_tokenizer
 
         tok = load_tokenizer(a.model)
     lines = sample_requests(a.source, a.num, seed=a.seed, tokenizer=tok, output_len_cap=a.output_len_cap,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from mixserve.engine.llm_engine import EngineArgs, LLMEngine, RequestOutput
+from mixserve.engine.args import EngineArgs
+from mixserve.engine.llm_engine import LLMEngine, RequestOutput
 from mixserve.sampling_params import SamplingParams
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 
-from mixserve.bench.datasets import BenchRequest
+from mixserve.data.datasets import BenchRequest
 from mixserve.bench.offline import run_offline
-from mixserve.engine.llm_engine import EngineArgs, LLMEngine, load_model, parse_dtype
+from mixserve.engine.args import EngineArgs, parse_dtype
+from mixserve.engine.llm_engine import LLMEngine
+from mixserve.models.loader import load_model
 from mixserve.kv.contiguous import ContiguousBlockManager
 
 # (kv_allocator, reserve) in run order

@@ -5,7 +5,7 @@ import time
 
 from tqdm import tqdm
 
-from mixserve.bench.datasets import BenchRequest
+from mixserve.data.datasets import BenchRequest
 from mixserve.bench.metrics import RequestMetrics, build_report
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mixserve.bench.datasets import BenchRequest
+from mixserve.data.datasets import BenchRequest
 from mixserve.bench.metrics import RequestMetrics, build_report, summarize
 
 

@@ -55,7 +55,7 @@ def bootstrap(nll: list[tuple[float, int]], base: list[tuple[float, int]] | None
 def slice_windows(tokenizer, slice_name: str, budget: int, seq_len: int, seed: int = 0) -> list[list[int]]:
     """The fixed windows of one slice (corpora.EVAL_SLICES or a file). Raises ValueError when the
     slice has fewer than `seq_len` tokens."""
-    from mixserve.bench.corpora import eval_docs, token_stream
+    from mixserve.data.corpora import eval_docs, token_stream
 
     ids = token_stream(eval_docs(slice_name, tokenizer), tokenizer, budget, tokenizer.eos_token_id, seed)
     if len(ids) < seq_len:

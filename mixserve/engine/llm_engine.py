@@ -2,128 +2,24 @@
 from __future__ import annotations
 
 import itertools
-import json
-import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from mixserve.engine.args import EngineArgs, parse_bytes, parse_dtype
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import Sampler, SamplingMetadata, exponential_noise, probs_from_logits, process_logits
+from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
-from mixserve.kv.contiguous import RESERVE_MODES, ContiguousBlockManager
-from mixserve.models.config import ModelConfig
-from mixserve.quant.loading import QuantSpec
+from mixserve.kv.contiguous import ContiguousBlockManager
+from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
-from mixserve.spec.controller import SpecController
-from mixserve.spec.proposer import DraftModelProposer, NgramProposer
-from mixserve.spec.rejection import accept_coupled, accept_greedy, accept_sampled
-
-_DEFAULT_KV_MEMORY = "1GiB"
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'2GiB', '384MiB', '1.5GB' or a plain integer -> bytes. Raises ValueError on anything else."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 2GiB, 512MiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def default_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has native bf16-capable vector units (AVX-512) or on CUDA, else float32."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    cap = torch.backends.cpu.get_cpu_capability()
-    return torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32
-
-
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
-    if name is None or name == "auto":
-        return default_dtype()
-    if isinstance(name, torch.dtype):
-        return name
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise ValueError(f"dtype: unknown {name!r}; use bfloat16 or float32")
-    return table[name]
-
-
-@dataclass
-class EngineArgs:
-    """Engine settings (the CLI flags of the same names).
-
-    model: built-in name, GGUF path or HF folder. dtype: compute and KV dtype.
-    block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (e.g. "1GiB").
-    max_num_seqs: most running sequences. max_num_batched_tokens: token budget per step.
-    max_model_len: longest prompt + output in tokens (default: the model's context length).
-    shuffle_blocks_seed: hand out KV blocks in random order (tests).
-    draft_model: built-in name / path of a draft model sharing the target's vocabulary, or
-        "ngram" for prompt lookup; None disables speculative decoding.
-    num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
-    quantization: None (as stored: dense, or int4 for an AWQ checkpoint), "rtn" (round-to-nearest
-        int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
-    quant_lm_head: also round the LM head to int4 at load (rtn, group quant_group_size) in an int4
-        model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
-    kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before
-        it: one region per sequence reserved at admission, see kv/contiguous.py).
-    reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
-        (prompt + max_tokens). Ignored by the paged allocator.
-    """
-
-    model: str = "qwen2.5-coder-0.5b-instruct"
-    dtype: str | torch.dtype | None = None
-    block_size: int = 16
-    kv_cache_memory: str | int = _DEFAULT_KV_MEMORY
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    shuffle_blocks_seed: int | None = None
-    progress: bool = True
-    draft_model: str | None = None
-    num_speculative_tokens: int = 4
-    speculation: str = "auto"
-    quantization: str | None = None
-    quant_group_size: int = 128
-    quant_lm_head: bool = False
-    kv_allocator: str = "paged"
-    reserve: str = "max-model-len"
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len: must be an integer >= 2 (got {self.max_model_len!r})")
-        if self.speculation not in ("auto", "fixed", "off"):
-            raise ValueError(f"speculation: must be auto, fixed or off (got {self.speculation!r})")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens: must be an integer >= 0 (got {self.num_speculative_tokens!r})")
-        if self.quantization not in (None, "rtn", "awq"):
-            raise ValueError(f"quantization: must be rtn or awq (got {self.quantization!r})")
-        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 32 or self.quant_group_size % 32:
-            raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
-        if self.quant_lm_head and self.quantization is None and not _is_awq_folder(self.model):
-            raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
-        if self.kv_allocator not in ("paged", "contiguous"):
-            raise ValueError(f"kv_allocator: must be paged or contiguous (got {self.kv_allocator!r})")
-        if self.reserve not in RESERVE_MODES:
-            raise ValueError(f"reserve: must be {' or '.join(RESERVE_MODES)} (got {self.reserve!r})")
-        if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
-            raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
-                             "use --kv-allocator paged or --draft-model ngram")
-        parse_bytes(self.kv_cache_memory)
+from mixserve.spec_decode.controller import SpecController
+from mixserve.spec_decode.proposer import DraftModelProposer, NgramProposer
+from mixserve.spec_decode.rejection import verify
 
 
 @dataclass
@@ -148,90 +44,6 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
-
-
-def _is_awq_folder(spec: str) -> bool:
-    cfg = Path(spec) / "config.json"
-    return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
-
-
-def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
-               quantization: str | None = None, group_size: int = 128, lm_head: bool = False):
-    """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
-
-    GGUF files are dequantized once to an HF folder beside them (models/loader.py). A folder whose
-    config.json has an AWQ `quantization_config` loads int4 (quant/loading.py); quantization="rtn"
-    rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint. lm_head:
-    round a dense-stored LM head to int4 at load too.
-    Raises FileNotFoundError / ValueError from model resolution, or ValueError when the
-    quantization asked for does not match the checkpoint, with a clear message.
-    """
-    from mixserve.models.llama import LlamaForCausalLM
-    from mixserve.models.loader import convert_gguf, load_hf_weights
-    from mixserve.models.registry import resolve_model
-
-    r = resolve_model(spec)
-    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
-    cfg = ModelConfig.from_folder(folder)
-    quant = QuantSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
-    if quantization == "rtn":
-        if quant is not None:
-            raise ValueError(f"quantization rtn: {folder} is already an AWQ checkpoint")
-        quant = QuantSpec("rtn", group_size)
-    elif quantization == "awq" and quant is None:
-        # the result of a default `mixserve quantize --model spec`, if there is one
-        from mixserve.quant.awq import AWQConfig
-        from mixserve.quant.checkpoint import default_out_dir
-
-        cached = default_out_dir(spec, AWQConfig(), "pystdlib", 32, 512)
-        done = cached / "mixserve_quant.json"
-        if done.exists() and json.loads(done.read_text()).get("source") != str(Path(folder).resolve()):
-            raise ValueError(f"quantization awq: the cached run {cached} was made from another model than {folder}; "
-                             f"run `mixserve quantize --model {spec} --out DIR` and load DIR")
-        if not done.exists():
-            raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint and no default AWQ run is cached; "
-                             f"run `mixserve quantize --model {spec}` (AWQ is never replaced by RTN)")
-        from dataclasses import asdict
-
-        if json.loads(done.read_text()).get("config") != asdict(AWQConfig()):
-            # e.g. made by an older mixserve whose default AWQ searched clipping
-            raise ValueError(f"quantization awq: the cached run {cached} was made with other AWQ settings than "
-                             f"today's default; run `mixserve quantize --model {spec}` again, or load the folder")
-        folder = cached
-        cfg = ModelConfig.from_folder(folder)
-        quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
-    if lm_head and quant is not None:
-        quant.lm_head = True
-        quant.lm_head_group_size = group_size
-    weights = load_hf_weights(folder)
-    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
-    del weights
-    tokenizer = None
-    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return cfg, model, tokenizer, folder
-
-
-def check_same_vocab(cfg, tok, dcfg, dtok) -> None:
-    """Refuse a draft whose vocabulary differs from the target's: same token count and the same
-    strings for a spread sample of ids. Raises ValueError naming what differs."""
-    if dcfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"draft_model: vocabulary size {dcfg.vocab_size} differs from the target's {cfg.vocab_size}")
-    if tok is None and dtok is None:
-        return  # token-id-only models (tests): the sizes agree, nothing more to compare
-    if tok is None or dtok is None:
-        raise ValueError("draft_model: both models need a tokenizer to check they share a vocabulary")
-    n = min(len(tok), len(dtok))
-    if len(tok) != len(dtok):
-        raise ValueError(f"draft_model: tokenizer has {len(dtok)} tokens, the target's has {len(tok)}")
-    ids = sorted(set(range(0, n, max(1, n // 997))) | {n - 1})
-    a, b = tok.convert_ids_to_tokens(ids), dtok.convert_ids_to_tokens(ids)
-    bad = [(i, x, y) for i, x, y in zip(ids, a, b) if x != y]
-    if bad:
-        raise ValueError(f"draft_model: token strings differ from the target's, e.g. id {bad[0][0]}: "
-                         f"{bad[0][1]!r} vs {bad[0][2]!r}")
 
 
 class LLMEngine:
@@ -531,16 +343,7 @@ class LLMEngine:
             seq, m = by_id[it.seq_id], it.num_logits
             d = drafts.get(it.seq_id, [])
             n_before = seq.num_tokens
-            if seq.params.greedy:
-                j, toks = accept_greedy(processed[r:r + m].argmax(-1).tolist(), d)
-            elif meta.generators[r] is not None:  # seeded: the same text whatever k is
-                noise = torch.stack([exponential_noise(g, processed.shape[1]) for g in meta.generators[r:r + m]])
-                j, toks = accept_coupled(probs_from_logits(processed[r:r + m]), d, noise)
-            else:
-                q = qs.get(it.seq_id)
-                if q is None and d:  # deterministic proposer: q is one-hot
-                    q = torch.nn.functional.one_hot(torch.tensor(d), processed.shape[1]).float()
-                j, toks = accept_sampled(probs_from_logits(processed[r:r + m]), q, d)
+            j, toks = verify(processed[r:r + m], d, qs.get(it.seq_id), seq.params.greedy, meta.generators[r:r + m])
             if d:
                 seq.spec_steps += 1
                 seq.spec_proposed += len(d)

@@ -295,7 +295,7 @@ class Sampler:
     (`race`) on their own probability row, so the token depends only on that generator's
     stream (per position: see SamplingMetadata.generators) and that row's probabilities, never
     on which other requests share the batch. Speculative verification draws the same noise
-    for the same position (spec/rejection.accept_coupled), which is what makes a seeded text
+    for the same position (spec_decode/rejection.accept_coupled), which is what makes a seeded text
     independent of how many tokens were speculated. Unseeded rows share one multinomial draw
     from the global RNG.
     """

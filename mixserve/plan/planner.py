@@ -266,8 +266,8 @@ def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 
     bench generates in full (ignore_eos); arrival_s is kept when the trace has it."""
     from transformers import AutoTokenizer
 
-    from mixserve.bench.datasets import load_dataset
-    from mixserve.models.loader import convert_gguf
+    from mixserve.data.datasets import load_dataset
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
 
     r = resolve_model(model)

@@ -24,7 +24,7 @@ from mixserve.kv.block_manager import BlockManager
 from mixserve.plan.step_time import StepBatch
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence
-from mixserve.spec.controller import expected_tokens
+from mixserve.spec_decode.controller import expected_tokens
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SpecSettings:
     alpha: per-token acceptance probability; k_max: most tokens proposed per row;
     draft_cost: a draft step's time as a fraction of the target step over the same rows (c in the
         paper's §3.4); mode: "fixed" (always k_max) or "auto" (the k with the most expected tokens
-        per second for this step, as spec/controller.py chooses).
+        per second for this step, as spec_decode/controller.py chooses).
     """
 
     alpha: float
@@ -287,7 +287,7 @@ def _step_batch(scheduled, with_lookahead: bool) -> StepBatch:
 
 def _choose_k(cfg: SimConfig, sched: Scheduler, step_time) -> int:
     """k for the coming step: k_max when fixed; when auto, the k maximizing expected emitted
-    tokens per second over the running decode rows (spec/controller.py's rule, with known costs)."""
+    tokens per second over the running decode rows (spec_decode/controller.py's rule, with known costs)."""
     sp = cfg.spec
     decoding = [s for s in sched.running if s.num_uncomputed_tokens == 1]
     if not decoding or sp.k_max == 0:

@@ -82,7 +82,7 @@ def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tenso
 
 def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int) -> Path:
     """Cache folder for a quantize run, so a repeated run with the same settings is a no-op."""
-    from mixserve.models.registry import cache_root
+    from mixserve.env import cache_root
 
     tag = Path(calib).stem if Path(calib).is_file() else calib
     name = Path(model).name.replace(".gguf", "")
@@ -111,8 +111,8 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     Returns the folder; when it already holds a finished run with the same settings, returns it
     at once. Raises ValueError for bad settings or too little calibration text.
     """
-    from mixserve.bench.corpora import calibration_docs, token_stream
-    from mixserve.models.loader import convert_gguf, load_hf_weights
+    from mixserve.data.corpora import calibration_docs, token_stream
+    from mixserve.models.weights import convert_gguf, load_hf_weights
     from mixserve.models.registry import resolve_model
 
     if qc.bits != 4:

@@ -64,7 +64,7 @@ def test_smollm2_stop_string_spanning_tokens(smol):
 
 
 def test_qwen05_humaneval_greedy_matches_hf(qwen05_path):
-    from mixserve.bench.datasets import load_humaneval
+    from mixserve.data.datasets import load_humaneval
 
     llm = LLM(qwen05_path, dtype="float32", kv_cache_memory="256MiB", progress=False)
     reqs = load_humaneval(num_prompts=2)
@@ -74,7 +74,7 @@ def test_qwen05_humaneval_greedy_matches_hf(qwen05_path):
 
 def test_qwen05_eos_ids(qwen05_path):
     from mixserve.models.config import ModelConfig
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
 
     cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False))
     assert set(cfg.eos_token_ids) == {151645, 151643}

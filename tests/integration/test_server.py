@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixserve import SamplingParams
-from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+from mixserve.engine.args import EngineArgs
+from mixserve.engine.llm_engine import LLMEngine
 from mixserve.llm import LLM
 from mixserve.server.api import ServerConfig
 from tests.live_server import LiveServer, gap_logits

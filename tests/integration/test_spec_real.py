@@ -21,7 +21,7 @@ def test_smollm2_self_draft_accepts_everything(smollm2_path):
 
 
 def test_qwen_pair_humaneval_greedy_equals_plain():
-    from mixserve.bench.datasets import load_humaneval
+    from mixserve.data.datasets import load_humaneval
 
     llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", kv_cache_memory="512MiB",
               draft_model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=4, speculation="fixed",

@@ -1,4 +1,4 @@
-"""Tests for mixserve.bench.datasets and mixserve.bench.metrics.
+"""Tests for mixserve.data.datasets and mixserve.bench.metrics.
 
 Fast tests use a whitespace "tokenizer" and tiny synthetic files; the one
 test that reads the packaged ShareGPT file is marked integration.
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from mixserve.bench.datasets import (
+from mixserve.data.datasets import (
     ArrayScanStats,
     BenchRequest,
     iter_json_array,

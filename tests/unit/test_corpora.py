@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from mixserve.bench import corpora
+from mixserve.data import corpora
 
 
 def test_stdlib_and_humaneval_splits_are_disjoint():

@@ -193,7 +193,7 @@ def test_stop_token_and_min_tokens(tiny, reference):
 
 
 def test_offline_bench_reports_per_tag(tiny):
-    from mixserve.bench.datasets import BenchRequest
+    from mixserve.data.datasets import BenchRequest
     from mixserve.bench.offline import run_offline
 
     folder, _ = tiny
@@ -217,7 +217,8 @@ def _drain(eng):
 
 @pytest.mark.parametrize("prompt_len", [37, 40])  # last block partial (copied on write) / full
 def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     folder, _ = tiny
     eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", block_size=4,
@@ -262,7 +263,8 @@ def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
 
 
 def test_aborting_the_leader_lets_its_followers_prefill(tiny):
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
 
     folder, _ = tiny
     eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", block_size=4, progress=False))

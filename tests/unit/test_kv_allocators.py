@@ -6,8 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from mixserve.bench.allocators import compare_allocators, format_comparison
-from mixserve.bench.datasets import BenchRequest
-from mixserve.engine.llm_engine import EngineArgs, LLMEngine, load_model
+from mixserve.data.datasets import BenchRequest
+from mixserve.engine.args import EngineArgs
+from mixserve.engine.llm_engine import LLMEngine
+from mixserve.models.loader import load_model
 from mixserve.kv.block_manager import BlockManager, NoFreeBlocksError
 from mixserve.kv.contiguous import ContiguousBlockManager
 from mixserve.kv.usage import KVUsage, kv_usage

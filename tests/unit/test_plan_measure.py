@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mixserve.bench.datasets import BenchRequest
+from mixserve.data.datasets import BenchRequest
 from mixserve.plan.measure import load_quality, measure_speculation, sample_trace
 from tests.unit.test_engine_tiny import make_tiny, prompts
 

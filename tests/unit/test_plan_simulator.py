@@ -99,7 +99,8 @@ def test_matches_the_real_engine(tmp_path):
     import random
 
     from mixserve import SamplingParams
-    from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
     from tests.unit.test_engine_tiny import make_tiny
 
     folder, _ = make_tiny(tmp_path, "qwen2", tie=True)

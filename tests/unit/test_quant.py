@@ -179,7 +179,7 @@ def _logits(model, cfg, ids):
 
 
 def test_checkpoint_reloads_with_identical_outputs(tmp_path):
-    from mixserve.engine.llm_engine import load_model
+    from mixserve.models.loader import load_model
 
     cfg = tiny_cfg()
     w = tiny_weights(cfg)
@@ -204,7 +204,7 @@ def test_checkpoint_reloads_with_identical_outputs(tmp_path):
 
 
 def test_rtn_at_load_equals_an_rtn_checkpoint(tmp_path, monkeypatch):
-    from mixserve.engine.llm_engine import load_model
+    from mixserve.models.loader import load_model
 
     cfg = tiny_cfg()
     w = tiny_weights(cfg)
@@ -330,7 +330,8 @@ def test_quantize_never_overwrites_a_users_folder(tmp_path):
 
 
 def test_lm_head_rounded_to_int4_at_load_on_request(tmp_path):
-    from mixserve.engine.llm_engine import EngineArgs, load_model
+    from mixserve.engine.args import EngineArgs
+    from mixserve.models.loader import load_model
     from mixserve.layers.linear import DenseLinear
     from dataclasses import replace
 

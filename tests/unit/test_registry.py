@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mixserve import env
 from mixserve.models import registry
 from mixserve.models.registry import BuiltinModel, ResolvedModel
 
@@ -130,13 +131,13 @@ def test_builtin_member_names():
 
 def test_cache_root(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert registry.cache_root() == tmp_path / "mixserve"
+    assert env.cache_root() == tmp_path / "mixserve"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert registry.cache_root() == tmp_path / "home" / ".cache" / "mixserve"
+    assert env.cache_root() == tmp_path / "home" / ".cache" / "mixserve"
     # The XDG spec says relative values are invalid and must be ignored.
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
-    assert registry.cache_root() == tmp_path / "home" / ".cache" / "mixserve"
+    assert env.cache_root() == tmp_path / "home" / ".cache" / "mixserve"
 
 
 # --------------------------------------------------------------------------

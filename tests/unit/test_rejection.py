@@ -1,7 +1,7 @@
 """Speculative sampling's accept/reject rule keeps the target distribution exactly."""
 import torch
 
-from mixserve.spec.rejection import accept_coupled, accept_greedy, accept_sampled
+from mixserve.spec_decode.rejection import accept_coupled, accept_greedy, accept_sampled
 
 V = 6
 N = 20000

@@ -62,7 +62,7 @@ def test_bytes_and_offsets_of_split_characters(make):
 def test_smollm2_byte_level_tokens():
     from transformers import AutoTokenizer
 
-    from mixserve.models.loader import convert_gguf
+    from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
 
     r = resolve_model("smollm2-135m-instruct")

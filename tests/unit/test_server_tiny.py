@@ -4,7 +4,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixserve import SamplingParams
-from mixserve.engine.llm_engine import EngineArgs, LLMEngine
+from mixserve.engine.args import EngineArgs
+from mixserve.engine.llm_engine import LLMEngine
 from mixserve.server.api import ServerConfig
 from mixserve.server.protocol import APIError, parse_request
 from tests.live_server import LiveServer

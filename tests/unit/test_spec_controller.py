@@ -1,7 +1,7 @@
 """The k chooser: expected tokens per second from measured step costs (Leviathan et al. §3.4)."""
 import pytest
 
-from mixserve.spec.controller import SpecController, StepCostTable, expected_tokens
+from mixserve.spec_decode.controller import SpecController, StepCostTable, expected_tokens
 
 
 def test_expected_tokens_formula():

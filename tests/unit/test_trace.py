@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from mixserve.bench.datasets import MAX_TRACE_PROMPT_TOKENS, BenchRequest, count_tokens, load_jsonl, \
+from mixserve.data.datasets import MAX_TRACE_PROMPT_TOKENS, BenchRequest, count_tokens, load_jsonl, \
     synthetic_prompt
-from mixserve.bench.trace import add_arrivals, describe_requests, format_description, plot_histograms, \
+from mixserve.data.trace import add_arrivals, describe_requests, format_description, plot_histograms, \
     sample_requests, write_trace
 from mixserve.cli import main
 
@@ -42,7 +42,7 @@ def test_synthetic_prompt_exact_length_and_deterministic(tok, n):
 @pytest.mark.integration
 @pytest.mark.parametrize("model", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_synthetic_prompt_real_tokenizer(model):
-    from mixserve.models.loader import load_tokenizer
+    from mixserve.models.weights import load_tokenizer
 
     tok = load_tokenizer(model)
     for n in (1, 64, 2999):

@@ -51,7 +51,7 @@ def stdlib_docs(split: str) -> list[str]:
 
 def humaneval_docs(split: str) -> list[str]:
     """Prompt + canonical solution; "eval": even task numbers, "calib": odd ones."""
-    from mixserve.bench.datasets import load_humaneval_rows
+    from mixserve.data.datasets import load_humaneval_rows
 
     rows = load_humaneval_rows()
     return [r["prompt"] + r["canonical_solution"] for i, r in enumerate(rows) if (i % 2 == 0) == (split == "eval")]
@@ -97,7 +97,7 @@ def sharegpt_docs(split: str, tokenizer: Any = None, kind: str | None = None) ->
     """ShareGPT first exchanges as chat-template text (plain "User:/Assistant:" without a
     tokenizer). "eval": records whose index is a multiple of 10, plus every non-English record
     (there are only about a hundred); "calib": the rest. `kind` filters by sharegpt_kind."""
-    from mixserve.bench.datasets import load_sharegpt_pairs
+    from mixserve.data.datasets import load_sharegpt_pairs
 
     docs = []
     for i, (p, r) in enumerate(load_sharegpt_pairs().pairs):

@@ -8,6 +8,8 @@ normalize(max(0, p_i - q_i)) and stop; if all K are accepted, sample a bonus tok
 The emitted tokens then follow p exactly (Leviathan et al., Appendix A.1). Greedy: accept while
 x_i == argmax p_i, then emit argmax of the first non-matching (or bonus) position.
 
+`verify` picks the rule for one sequence: greedy, coupled (seeded) or sampled.
+
 Seeded requests use `accept_coupled` instead: every position's token is the exponential race
 of the target's p with noise drawn for that position alone, so the text does not depend on k.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.engine.sampler import race
+from mixserve.engine.sampler import exponential_noise, probs_from_logits, race
 
 
 def accept_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, list[int]]:
@@ -91,3 +93,29 @@ def accept_coupled(p: torch.Tensor, draft: list[int], noise: torch.Tensor) -> tu
     """
     ys = race(p, noise).tolist()
     return accept_greedy(ys, draft)
+
+
+def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, greedy: bool,
+           generators: list[torch.Generator | None]) -> tuple[int, list[int]]:
+    """Verify one sequence's draft with the rule its sampling asks for.
+
+    Args:
+        logits: float [K+1, V] *processed* target logits (sampler.process_logits) at the K draft
+            positions and the bonus position.
+        draft: K proposed token ids (K may be 0: then this samples one token).
+        q: float32 [K, V] draft distributions, or None for a deterministic proposer (n-gram),
+            whose q is one-hot on its tokens.
+        greedy: the request is greedy (temperature 0): accept_greedy.
+        generators: the K+1 positions' generators (Sequence.generator_at); seeded when the first
+            is not None: accept_coupled, so a seed gives the same text whatever k is.
+    Returns:
+        (j accepted draft tokens, the j + 1 tokens to emit).
+    """
+    if greedy:
+        return accept_greedy(logits.argmax(-1).tolist(), draft)
+    if generators[0] is not None:
+        noise = torch.stack([exponential_noise(g, logits.shape[1]) for g in generators])
+        return accept_coupled(probs_from_logits(logits), draft, noise)
+    if q is None and draft:
+        q = torch.nn.functional.one_hot(torch.tensor(draft), logits.shape[1]).float()
+    return accept_sampled(probs_from_logits(logits), q, draft)

@@ -1,7 +1,7 @@
 """Traffic mixes: describe a trace (length percentiles, length bands, histograms) and sample new
 traces from ShareGPT, HumanEval or a synthetic long-prompt / short-output mix.
 
-A trace is the JSONL file :func:`mixserve.bench.datasets.load_jsonl` reads: one request a line,
+A trace is the JSONL file :func:`mixserve.data.datasets.load_jsonl` reads: one request a line,
 ``prompt`` (text) or ``prompt_tokens`` (a length), ``max_tokens`` and/or ``output_tokens``,
 optional ``arrival_s`` (seconds from the trace start) and ``tag``. All lengths here are tokens,
 counted without special tokens.
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mixserve.bench.datasets import BenchRequest, load_humaneval, load_sharegpt
+from mixserve.data.datasets import BenchRequest, load_humaneval, load_sharegpt
 
 __all__ = ["PERCENTILES", "PROMPT_BANDS", "OUTPUT_BANDS", "SOURCES", "describe_requests", "format_description",
            "plot_histograms", "sample_requests", "add_arrivals", "write_trace"]

@@ -1,4 +1,4 @@
-"""Benchmark request sets: ShareGPT, HumanEval and user-supplied JSONL traces.
+"""Request sets: ShareGPT, HumanEval and user-supplied JSONL traces (read by bench, plan and mix).
 
 Every loader returns a list of :class:`BenchRequest`. Prompts are raw text;
 whether to wrap them in a chat template is the caller's decision, because the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import importlib
 import json
 import logging
 import math
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
+
+from mixserve.env import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -302,23 +303,9 @@ def _iter_json_array_stream(f: BinaryIO, chunk_size: int, stats: ArrayScanStats)
 
 
 def bench_cache_dir() -> Path:
-    """Directory for cached benchmark data (``<cache root>/datasets``).
-
-    Uses ``mixserve.models.registry.cache_root()`` when that module exists so
-    all of mixserve's downloads and derived files live in one place; otherwise
-    ``$XDG_CACHE_HOME/mixserve`` or ``~/.cache/mixserve``.
-    """
-    root: Path | None = None
-    try:
-        registry = importlib.import_module("mixserve.models.registry")
-        root = Path(registry.cache_root())
-    except (ImportError, AttributeError):
-        root = None
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) if xdg else Path.home() / ".cache"
-        root = base / "mixserve"
-    return root / "datasets"
+    """Directory for cached benchmark data: ``<mixserve.env.cache_root()>/datasets``, so all of
+    mixserve's downloads and derived files live in one place."""
+    return cache_root() / "datasets"
 
 
 def _atomic_write_json(path: Path, obj: Any) -> None:

@@ -1,0 +1,114 @@
+"""Engine settings (`EngineArgs`, the CLI flags of the same names) and the parsers for their
+size and dtype values."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mixserve.kv.contiguous import RESERVE_MODES
+from mixserve.models.loader import is_awq_folder
+
+_DEFAULT_KV_MEMORY = "1GiB"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '384MiB', '1.5GB' or a plain integer -> bytes. Raises ValueError on anything else."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: use e.g. 2GiB, 512MiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16-capable vector units (AVX-512) or on CUDA, else float32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    cap = torch.backends.cpu.get_cpu_capability()
+    return torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    if name is None or name == "auto":
+        return default_dtype()
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype: unknown {name!r}; use bfloat16 or float32")
+    return table[name]
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (the CLI flags of the same names).
+
+    model: built-in name, GGUF path or HF folder. dtype: compute and KV dtype.
+    block_size: tokens per KV block. kv_cache_memory: bytes for the KV cache (e.g. "1GiB").
+    max_num_seqs: most running sequences. max_num_batched_tokens: token budget per step.
+    max_model_len: longest prompt + output in tokens (default: the model's context length).
+    shuffle_blocks_seed: hand out KV blocks in random order (tests).
+    draft_model: built-in name / path of a draft model sharing the target's vocabulary, or
+        "ngram" for prompt lookup; None disables speculative decoding.
+    num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
+    quantization: None (as stored: dense, or int4 for an AWQ checkpoint), "rtn" (round-to-nearest
+        int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
+    quant_lm_head: also round the LM head to int4 at load (rtn, group quant_group_size) in an int4
+        model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
+    kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before
+        it: one region per sequence reserved at admission, see kv/contiguous.py).
+    reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
+        (prompt + max_tokens). Ignored by the paged allocator.
+    """
+
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    dtype: str | torch.dtype | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int = _DEFAULT_KV_MEMORY
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    shuffle_blocks_seed: int | None = None
+    progress: bool = True
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculation: str = "auto"
+    quantization: str | None = None
+    quant_group_size: int = 128
+    quant_lm_head: bool = False
+    kv_allocator: str = "paged"
+    reserve: str = "max-model-len"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len: must be an integer >= 2 (got {self.max_model_len!r})")
+        if self.speculation not in ("auto", "fixed", "off"):
+            raise ValueError(f"speculation: must be auto, fixed or off (got {self.speculation!r})")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: must be an integer >= 0 (got {self.num_speculative_tokens!r})")
+        if self.quantization not in (None, "rtn", "awq"):
+            raise ValueError(f"quantization: must be rtn or awq (got {self.quantization!r})")
+        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 32 or self.quant_group_size % 32:
+            raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
+        if self.quant_lm_head and self.quantization is None and not is_awq_folder(self.model):
+            raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
+        if self.kv_allocator not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocator: must be paged or contiguous (got {self.kv_allocator!r})")
+        if self.reserve not in RESERVE_MODES:
+            raise ValueError(f"reserve: must be {' or '.join(RESERVE_MODES)} (got {self.reserve!r})")
+        if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
+            raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
+                             "use --kv-allocator paged or --draft-model ngram")
+        parse_bytes(self.kv_cache_memory)
+
+

@@ -1,0 +1,203 @@
+"""Weight loading: GGUF files (dequantized once and cached as an HF folder) and HF safetensors folders.
+
+GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Dequantization uses the
+`gguf` package (`gguf.quants.dequantize`), so every GGUF type it knows is supported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from mixserve.models.config import ModelConfig
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+CONVERTED_SUFFIX = ".mixserve"
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader) -> tuple[ModelConfig, dict]:
+    """Read a ModelConfig (and extra tokenizer facts) from GGUF metadata.
+
+    Raises:
+        ValueError: the architecture is not llama or qwen2.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}: mixserve runs llama/qwen2 decoders")
+    names = {t.name for t in reader.tensors}
+    n_heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = _field(reader, f"{arch}.vocab_size") or int(embd.shape[1])
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = [eos] if eos is not None else []
+    if arch == "qwen2":
+        # Qwen's generation_config ends on both <|im_end|> (the GGUF EOS) and <|endoftext|>
+        # (GGUF's BOS/pad id), which the model emits at the end of a plain document.
+        for extra in (bos, _field(reader, "tokenizer.ggml.padding_token_id")):
+            if extra is not None and extra not in eos_ids:
+                eos_ids.append(extra)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=int(n_heads),
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        eos_token_ids=eos_ids,
+        bos_token_id=bos,
+    )
+    return cfg, {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf `permute`), which reorders
+    each head's rows from HF's rotate-half layout to GGML's interleaved RoPE layout."""
+    head_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
+    """Dequantize every tensor of a GGUF file to float32, under HF tensor names.
+
+    Returns (config, tokenizer facts, {hf_name: float32 tensor in HF [out, in] layout}).
+    Raises ValueError for an unsupported architecture or an unknown tensor name.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    cfg, extra = gguf_config(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
+        if t.name in _GGUF_GLOBAL_NAMES:
+            name = _GGUF_GLOBAL_NAMES[t.name]
+        elif t.name.startswith("blk."):
+            _, idx, rest = t.name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                raise ValueError(f"unknown GGUF tensor {t.name!r}")
+            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        elif t.name == "rope_freqs.weight":
+            raise ValueError("GGUF with rope_freqs (scaled RoPE) is not supported")
+        else:
+            raise ValueError(f"unknown GGUF tensor {t.name!r}")
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = _unpermute(arr, cfg.num_heads)
+        elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = _unpermute(arr, cfg.num_kv_heads)
+        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    return cfg, extra, tensors
+
+
+def converted_dir(gguf_path: str | Path) -> Path:
+    """Where the dequantized copy of a GGUF lives: beside the file if that folder is writable,
+    else under the mixserve cache root."""
+    gguf_path = Path(gguf_path).resolve()
+    beside = gguf_path.with_name(gguf_path.name + CONVERTED_SUFFIX)
+    if os.access(gguf_path.parent, os.W_OK):
+        return beside
+    from mixserve.env import cache_root
+
+    st = gguf_path.stat()
+    return cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}{CONVERTED_SUFFIX}"
+
+
+def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
+    """Dequantize a GGUF once into an HF folder (config.json, model.safetensors in float32,
+    tokenizer files); later loads memory-map it. A no-op when the folder is complete.
+
+    Returns the folder. Raises ValueError for an unsupported or corrupt file.
+    """
+    out = converted_dir(gguf_path)
+    if (out / "DONE").exists():
+        return out
+    t0 = time.perf_counter()
+    cfg, extra, tensors = dequantize_gguf(gguf_path, progress=progress)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
+        tok.save_pretrained(str(tmp))
+    except Exception as e:  # a model without a usable tokenizer still runs on token ids
+        (tmp / "TOKENIZER_ERROR").write_text(repr(e))
+    (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def load_tokenizer(spec: str | Path):
+    """The HF tokenizer of a model (built-in name, GGUF path or HF folder) without its weights; a
+    GGUF is converted first (once). Raises FileNotFoundError / ValueError when the model cannot
+    be resolved, ValueError when it has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    from mixserve.models.registry import resolve_model
+
+    r = resolve_model(spec)
+    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else Path(r.path)
+    if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
+        raise ValueError(f"model {spec!r} has no tokenizer (in {folder})")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def load_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files in an HF folder (memory-mapped where possible).
+
+    Raises FileNotFoundError when there are none.
+    """
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
