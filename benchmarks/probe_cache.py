@@ -24,12 +24,14 @@ def main() -> int:
     a = ap.parse_args()
 
     from mixserve.env import machine_info
+    from mixserve.layers.kernel_choice import KernelChooser
     from mixserve.plan.hardware import _make_linear
 
     rows = []
+    chooser = KernelChooser()
     for fmt in ("bf16", "int4"):
         for o, i in ((9728, 896), (896, 4864), (1152, 896)):  # the 0.5B's gate_up, down, qkv
-            lins = [_make_linear(fmt, o, i, torch.bfloat16, 128) for _ in range(a.copies)]
+            lins = [_make_linear(fmt, o, i, torch.bfloat16, 128, chooser) for _ in range(a.copies)]
             x = torch.randn(1, i, dtype=torch.bfloat16)
             with torch.inference_mode():
                 for lin in lins:

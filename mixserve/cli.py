@@ -40,6 +40,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "region per sequence reserved at admission (default %(default)s)")
     p.add_argument("--reserve", default=d.reserve, choices=["max-model-len", "max-tokens"],
                    help="contiguous region size: max-model-len tokens, or prompt + max_tokens (default %(default)s)")
+    p.add_argument("--kernels", default=d.kernels,
+                   help="auto: each kernel chosen by timing it once on this machine (cached; `hw probe` prints "
+                        "the choices); eager: PyTorch's plain kernels; or KEY=NAME,... e.g. "
+                        "dense_linear=onednn,decode_attention=bmm,int4_dense_rows=64 (default %(default)s)")
+    p.add_argument("--enforce-eager", dest="kernels", action="store_const", const="eager",
+                   help="same as --kernels eager: the reference path")
     p.add_argument("--quant-lm-head", action="store_true",
                    help="also round the LM head to int4 at load (int4 models; it stays in the compute dtype "
                         "by default)")

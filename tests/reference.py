@@ -42,3 +42,19 @@ def compare_greedy(ours: list[int], ref: list[int], ref_logits: list[torch.Tenso
             return Comparison(False, gap < TIE_GAP, gap < TIE_GAP, i, gap)
     same_len = len(ours) == len(ref)
     return Comparison(same_len, same_len, False, None if same_len else n, None)
+
+
+def engine_logits_along(engine, prompt: list[int], out: list[int]) -> list[torch.Tensor]:
+    """An LLMEngine's own next-token logits at each position of `out` (one prefill of
+    prompt + out[:-1] through its model runner, in a scratch sequence freed afterwards): the
+    reference logits for the tie rule when one engine configuration is the reference."""
+    from mixserve.engine.model_runner import BatchItem
+
+    ids = list(prompt) + list(out)
+    bm, sid = engine.block_manager, -1
+    bm.append_slots(sid, 0, len(ids) - 1)
+    try:
+        logits, _ = engine.runner.run([BatchItem(sid, ids, 0, len(ids) - 1, len(out))])
+    finally:
+        bm.free(sid)
+    return list(logits)

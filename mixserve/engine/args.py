@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mixserve.kv.contiguous import RESERVE_MODES
+from mixserve.layers.kernel_choice import parse_overrides
 from mixserve.models.loader import is_awq_folder
 
 _DEFAULT_KV_MEMORY = "1GiB"
@@ -64,6 +65,9 @@ class EngineArgs:
         it: one region per sequence reserved at admission, see kv/contiguous.py).
     reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
         (prompt + max_tokens). Ignored by the paged allocator.
+    kernels: "auto" (each kernel measured once per machine and cached, layers/kernel_choice.py;
+        $MIXSERVE_KERNELS overrides), "eager" (PyTorch's plain eager kernels everywhere: the
+        reference) or overrides "dense_linear=plain,decode_attention=bmm,...".
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -83,6 +87,7 @@ class EngineArgs:
     quant_lm_head: bool = False
     kv_allocator: str = "paged"
     reserve: str = "max-model-len"
+    kernels: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -110,5 +115,7 @@ class EngineArgs:
             raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
                              "use --kv-allocator paged or --draft-model ngram")
         parse_bytes(self.kv_cache_memory)
+        if self.kernels != "auto":
+            parse_overrides(self.kernels)
 
 

@@ -13,6 +13,7 @@ from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
+from mixserve.layers.kernel_choice import KernelChooser, amx_permitted, cap_threads, parse_overrides
 from mixserve.kv.contiguous import ContiguousBlockManager
 from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
@@ -60,6 +61,9 @@ class LLMEngine:
         args.validate()
         self.args = args
         self.dtype = parse_dtype(args.dtype)
+        cap_threads()
+        self.amx = amx_permitted()  # before any oneDNN call: caps its ISA where AMX is refused
+        self.kernels = KernelChooser(overrides=None if args.kernels == "auto" else parse_overrides(args.kernels))
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
             args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,
@@ -77,6 +81,11 @@ class LLMEngine:
             draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress)
             check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
             self.draft_cfg = draft[0]
+        t1 = time.perf_counter()
+        for m in (self.model, draft[1] if draft else None):
+            if hasattr(m, "choose_kernels"):
+                m.choose_kernels(self.kernels)
+        self.kernel_choice_s = time.perf_counter() - t1
         # The draft's cache holds as many tokens as the target's, so the budget is split in
         # proportion to their per-token K/V bytes.
         per_token = self.cfg.kv_bytes_per_token(dtype_bytes)
@@ -136,6 +145,14 @@ class LLMEngine:
         if self.draft_cfg is not None:
             d = self.draft_cfg.kv_bytes_per_token(1) / (self.cfg.kv_bytes_per_token(1) + self.draft_cfg.kv_bytes_per_token(1))
             text += f"; {d:.0%} of it is the draft model's cache"
+        if self.kernels.choices:
+            picks: dict[str, dict[str, int]] = {}
+            for c in self.kernels.choices.values():
+                kind = picks.setdefault(c.key.split("/")[0], {})
+                kind[c.name] = kind.get(c.name, 0) + 1
+            how = "/".join(sorted({c.source for c in self.kernels.choices.values()}))
+            text += "; kernels (" + how + "): " + ", ".join(
+                f"{k} " + " ".join(f"{n}x{c}" if c > 1 else n for n, c in v.items()) for k, v in picks.items())
         q = getattr(self.model, "quant", None)
         if q is not None:
             text += f"; weights int4 ({q.method}, group {q.group_size})"

@@ -75,6 +75,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode: str = "sdpa",
 ) -> torch.Tensor:
     """Write k/v into the paged cache, then attend.
 
@@ -83,6 +84,8 @@ def paged_attention(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], updated in place.
         meta: the step's AttentionMetadata.
         scale: softmax scale, usually head_dim ** -0.5.
+        decode: decode-row kernel, "sdpa" (PyTorch's fused kernel, the eager default) or "bmm"
+            (`_decode_attention`); chosen per machine by `decode_candidates`.
     Returns:
         [T, num_heads, head_dim].
     """
@@ -98,7 +101,8 @@ def paged_attention(
         for g in meta.decode_groups:
             kd = k_cache[g.block_tables].flatten(1, 2)  # [rows, max_blocks * block_size, kvh, d]
             vd = v_cache[g.block_tables].flatten(1, 2)
-            out[g.start:g.end] = _decode_attention(q[g.start:g.end], kd, vd, g.bias, scale)
+            attend = _decode_attention if decode == "bmm" else _decode_sdpa
+            out[g.start:g.end] = attend(q[g.start:g.end], kd, vd, g.bias, scale)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
         if span.gather is None:
@@ -116,13 +120,20 @@ def paged_attention(
     return out
 
 
+def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
+    """`_decode_attention` through PyTorch's fused SDPA (GQA-aware, additive float mask)."""
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=bias[:, None, None, :].to(q.dtype), scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
     """One query per row over a padded context, grouped-query aware.
 
-    q [B, H, d]; k, v [B, L, Hkv, d]; bias float32 [B, L]. Returns [B, H, d].
-    Plain batched matmuls: on CPU, PyTorch's fused SDPA kernel runs a single-token query
+    q [B, H, d]; k, v [B, L, Hkv, d]; bias float32 [B, L] (0 or -inf). Returns [B, H, d].
+    Plain batched matmuls: on a Zen 5, PyTorch's fused SDPA kernel ran a single-token query
     about 7x slower than this (benchmarks/kernels.py: 4.44 ms vs 0.61 ms for B=16, L=320, bf16,
-    2 threads).
+    2 threads); on the AVX-512/AMX Xeon this was 0.7x of SDPA, hence a measured choice.
     Query heads are grouped per KV head so K/V are never repeated.
     """
     B, H, d = q.shape
@@ -131,3 +142,24 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     s = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, kvh, g, L]
     p = torch.softmax(s + bias[:, None, None, :], dim=-1).to(q.dtype)
     return torch.matmul(p, v.transpose(1, 2)).reshape(B, H, d)
+
+
+def decode_candidates(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      context: int = 512) -> dict:
+    """Timers for kernel_choice's `decode_attention` choice: seconds per call of "sdpa" and "bmm",
+    the geometric mean over 1 and 16 rows of `context` tokens (K/V as gathered from the cache)."""
+    from mixserve.layers.kernel_choice import geomean, time_calls
+
+    shapes = []
+    for rows in (1, 16):
+        q = torch.randn(rows, num_heads, head_dim).to(dtype)
+        k = torch.randn(rows, context, num_kv_heads, head_dim).to(dtype)
+        v = torch.randn(rows, context, num_kv_heads, head_dim).to(dtype)
+        bias = torch.zeros(rows, context)
+        bias[:, context - context // 8:] = float("-inf")  # padding, as a group's shorter rows have
+        shapes.append((q, k, v, bias))
+
+    def timer(fn):
+        return lambda: geomean(time_calls([a], lambda a: fn(*a, head_dim ** -0.5)) for a in shapes)
+
+    return {"sdpa": timer(_decode_sdpa), "bmm": timer(_decode_attention)}

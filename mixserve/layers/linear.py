@@ -1,13 +1,14 @@
-"""Linear layers. Dense weights use oneDNN's prepacked GEMM on CPU; int4 kinds plug in here."""
+"""Linear layers: dense (plain F.linear or oneDNN-prepacked, chosen by measurement) and weight-only int4."""
 from __future__ import annotations
 
-import os
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
+from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -18,11 +19,10 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class DenseLinear(nn.Module):
     """y = x @ W^T + b, W [out_features, in_features] in the compute dtype.
 
-    On CPU the weight is reordered once into oneDNN's blocked layout (the same prepacking
-    PyTorch's Inductor uses for frozen CPU linears). `benchmarks/kernels.py` on the project's 2-core
-    Zen 5, bf16, 24 gate/up matrices of 9728x896: 1 row 23.9 -> 17.4 ms, 16 rows 42.6 -> 26.1 ms,
-    64 rows 96.1 -> 79.9 ms (float32: about 2x at 1-16 rows).
-    The dense copy is not kept; `dense_weight()` reorders back when needed.
+    Two kernels, chosen per machine by measurement (layers/kernel_choice.py, `set_impl`):
+    "plain" (F.linear, PyTorch's eager path, the default) or "onednn" (the weight reordered once
+    into oneDNN's blocked layout, as Inductor does for frozen CPU linears; on a Zen 5 it was 1.37x
+    F.linear at 1 row, on the AVX-512/AMX Xeon 0.87x). Only one copy of the weight is resident.
 
     Args: weight [out, in] float32/bfloat16; bias [out] or None.
     """
@@ -32,14 +32,24 @@ class DenseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
         self.packed = None
-        self.weight = None
-        if _can_prepack(weight):
+        self.weight = weight
+        self.impl = "plain"
+
+    def set_impl(self, impl: str) -> None:
+        """Switch kernel: "plain" or "onednn" (falls back to plain where oneDNN cannot take the
+        weight). Raises ValueError for another name."""
+        if impl not in ("plain", "onednn"):
+            raise ValueError(f"dense linear: unknown kernel {impl!r} (plain or onednn)")
+        if impl == self.impl:
+            return
+        if impl == "onednn" and _can_prepack(self.weight):
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_size=1)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), batch_size=1)
+                self.weight, self.impl = None, "onednn"
             except RuntimeError:
                 self.packed = None
-        if self.packed is None:
-            self.weight = weight
+        elif impl == "plain":
+            self.weight, self.packed, self.impl = self.packed.to_dense(), None, "plain"
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor."""
@@ -51,10 +61,35 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-# Rows from which a bf16 GEMM over the dequantized weight beats PyTorch's int4 weight-only kernel
-# on CPU: measured by `benchmarks/kernels.py --int4` (see BENCHMARKS.md); MIXSERVE_INT4_DENSE_ROWS
-# overrides it for another machine.
-INT4_DENSE_ROWS = int(os.environ.get("MIXSERVE_INT4_DENSE_ROWS", "16"))
+DENSE_ROWS = (1, 16, 128)
+
+
+def dense_candidates(out_features: int, in_features: int, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice: seconds per call of each dense kernel on this shape, the
+    geometric mean over DENSE_ROWS rows (decode to prefill), weights rotating past the cache."""
+    nbytes = out_features * in_features * torch.finfo(dtype).bits // 8
+
+    def timer(impl):
+        def run():
+            base = torch.randn(out_features, in_features).to(dtype)
+
+            def make():
+                m = DenseLinear(base.clone())
+                m.set_impl(impl)
+                return m
+            mods = rotating_copies(make, nbytes)
+            return geomean(time_calls(mods, lambda m, x=torch.randn(r, in_features).to(dtype): m(x))
+                           for r in DENSE_ROWS)
+        return run
+
+    cands = {"plain": timer("plain")}
+    if _can_prepack(torch.empty(0, dtype=dtype)):
+        cands["onednn"] = timer("onednn")
+    return cands
+
+
+# Row counts at which the int4 kernel and dequantize + dense GEMM are timed to place the switch
+INT4_ROWS = (1, 4, 16, 32, 64, 128, 512)
 # largest weight (elements) dequantized into the reused scratch buffer: a 1.5B's fused gate/up
 # (27.5M) fits; larger ones get a fresh tensor per call
 SCRATCH_MAX_ELEMENTS = 32 << 20
@@ -90,9 +125,10 @@ class Int4Linear(nn.Module):
 
     Few rows (decode): PyTorch's CPU int4 kernel `aten._weight_int4pack_mm_for_cpu`, which reads
     half a byte per weight. Its dequantization is w = (q - 8) * scale + zero', so AWQ's integer
-    zero point z becomes zero' = (8 - z) * scale. From `dense_rows` rows (prefill, large batches)
-    the weight is dequantized for the call and the ordinary dense GEMM runs, since the int4 kernel
-    loses to it there. Only the packed integers stay resident (0.5 byte per weight plus scales).
+    zero point z becomes zero' = (8 - z) * scale. From `dense_rows` rows (prefill, large batches;
+    None: never, the default) the weight is dequantized for the call and the ordinary dense GEMM
+    runs, where that beats the int4 kernel: where it does is measured per machine
+    (`int4_candidates`, layers/kernel_choice.py). Only the packed integers stay resident (0.5 byte per weight plus scales).
     Off CPU the dense path is always used (no CUDA int4 kernel is wired yet).
 
     Args:
@@ -119,7 +155,7 @@ class Int4Linear(nn.Module):
             raise ValueError("q: int4 values must lie in [0, 15]")
         self.group_size = group_size
         self.dtype = dtype
-        self.dense_rows = INT4_DENSE_ROWS if dense_rows is None else dense_rows
+        self.dense_rows = dense_rows
         self.bias = bias.to(dtype).contiguous() if bias is not None else None
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         s = scales.float()
@@ -154,9 +190,49 @@ class Int4Linear(nn.Module):
         x = x.to(self.dtype)
         if rows == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        if x.device.type == "cpu" and rows < self.dense_rows:
+        if x.device.type == "cpu" and (self.dense_rows is None or rows < self.dense_rows):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).contiguous(), self.packed,
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
         return F.linear(x, self.dense_weight(reuse=True), self.bias)
+
+
+def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice's `int4_dense_rows` choice: candidate "never" (PyTorch's int4
+    kernel at every row count) and "R" for R in INT4_ROWS (dequantize + dense GEMM from R rows).
+    Each candidate's figure is the geometric mean over INT4_ROWS of its seconds per call there,
+    from one timing of both paths at every row count (weights rotating past the cache)."""
+    timed: dict[int, tuple[float, float]] = {}
+
+    def measure():
+        if timed:
+            return timed
+
+        base = Int4Linear(torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
+                          torch.rand(out_features, in_features // group_size) * 0.01 + 0.001,
+                          torch.randint(0, 16, (out_features, in_features // group_size), dtype=torch.int32),
+                          group_size, None, dtype)
+
+        def make():
+            m = copy.copy(base)  # the module's tensors cloned, not the quantization redone
+            m._parameters, m._buffers, m._modules = {}, {}, {}
+            for name in ("packed", "scales_and_zeros", "scale_rows", "zero_rows"):
+                setattr(m, name, getattr(base, name).clone())
+            return m
+        mods = rotating_copies(make, out_features * in_features // 2)
+        for r in INT4_ROWS:
+            x = torch.randn(r, in_features).to(dtype)
+            res = []
+            for dense_rows in (None, 0):
+                for m in mods:
+                    m.dense_rows = dense_rows
+                res.append(time_calls(mods, lambda m: m(x)))
+            timed[r] = (res[0], res[1])
+        return timed
+
+    def cost(threshold):
+        return lambda: geomean(t[1] if threshold is not None and r >= threshold else t[0]
+                               for r, t in measure().items())
+
+    return {"never": cost(None), **{str(r): cost(r) for r in INT4_ROWS}}

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers.attention import AttentionMetadata, paged_attention
-from mixserve.layers.linear import DenseLinear
+from mixserve.layers.attention import AttentionMetadata, decode_candidates, paged_attention
+from mixserve.layers.kernel_choice import KernelChooser
+from mixserve.layers.linear import DenseLinear, Int4Linear, dense_candidates, int4_candidates
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
@@ -35,6 +36,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = lin("mlp.gate_proj", "mlp.up_proj")
         self.down_proj = lin("mlp.down_proj")
         self.scale = cfg.head_dim ** -0.5
+        self.decode_attention = "sdpa"  # LlamaForCausalLM.choose_kernels may pick another
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -48,7 +50,7 @@ class DecoderLayer(nn.Module):
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         q, k = rope(positions, q, k)
-        a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -91,6 +93,26 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = DenseLinear(self.embed_tokens.weight)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
+
+    def choose_kernels(self, chooser: KernelChooser) -> None:
+        """Set every linear's and the decode attention's kernel to the chooser's pick for this
+        model's shapes and dtype (measured once per machine, layers/kernel_choice.py). Until this
+        is called the model runs PyTorch's eager kernels."""
+        dt = str(self.dtype).removeprefix("torch.")
+        for m in self.modules():
+            if isinstance(m, DenseLinear):
+                key = f"dense_linear/{dt}/{m.out_features}x{m.in_features}"
+                m.set_impl(chooser.choose(key, dense_candidates(m.out_features, m.in_features, self.dtype), "plain"))
+            elif isinstance(m, Int4Linear):
+                key = f"int4_dense_rows/{dt}/{m.out_features}x{m.in_features}g{m.group_size}"
+                pick = chooser.choose(key, int4_candidates(m.out_features, m.in_features, m.group_size, self.dtype),
+                                      "never")
+                m.dense_rows = None if pick == "never" else int(pick)
+        c = self.cfg
+        key = f"decode_attention/{dt}/{c.num_heads}x{c.num_kv_heads}x{c.head_dim}"
+        pick = chooser.choose(key, decode_candidates(c.num_heads, c.num_kv_heads, c.head_dim, self.dtype), "sdpa")
+        for layer in self.layers:
+            layer.decode_attention = pick
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Give each layer its K/V cache tensors [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -64,19 +64,51 @@ def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
     return [0.0] * X.shape[1]
 
 
-def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int):
-    from mixserve.layers.linear import DenseLinear, Int4Linear
+def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser):
+    """A linear as the engine would build and run it here: DenseLinear / Int4Linear with the
+    kernel `chooser` picks for its shape (layers/kernel_choice.py)."""
+    from mixserve.layers.linear import DenseLinear, Int4Linear, dense_candidates, int4_candidates
 
     g = torch.Generator().manual_seed(0)
+    dt = str(dtype).removeprefix("torch.")
     if fmt == "bf16":
-        return DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
+        lin = DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
+        lin.set_impl(chooser.choose(f"dense_linear/{dt}/{out_f}x{in_f}", dense_candidates(out_f, in_f, dtype),
+                                    "plain"))
+        return lin
     q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
     s = torch.rand(out_f, in_f // group_size, generator=g).half() * 0.01
     z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
-    return Int4Linear(q, s, z, group_size, None, dtype)
+    lin = Int4Linear(q, s, z, group_size, None, dtype)
+    pick = chooser.choose(f"int4_dense_rows/{dt}/{out_f}x{in_f}g{group_size}",
+                          int4_candidates(out_f, in_f, group_size, dtype), "never")
+    lin.dense_rows = None if pick == "never" else int(pick)
+    return lin
 
 
-def _recheck(lin, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int) -> list[int]:
+def _rotating_timer(lin, nbytes: int):
+    """seconds(x) of one call of `lin` on rotating copies past the last-level cache, as a decode
+    step streams its weights (a cache-hot timing made bf16 look 3-5x faster than in the engine at
+    1 row, benchmarks/probe_cache.py). Copies share nothing but the kernel choice."""
+    import copy
+
+    from mixserve.layers.kernel_choice import rotating_copies, time_calls
+
+    def clone():
+        m = copy.copy(lin)
+        for k, v in list(vars(lin).items()):
+            if isinstance(v, torch.Tensor) and not k.startswith("_"):
+                setattr(m, k, v.clone())
+        return m
+    copies = [lin] + rotating_copies(clone, nbytes)[1:]
+
+    def timer(x, passes: int):
+        with torch.inference_mode():
+            return time_calls(copies, lambda m: m(x), min_passes=passes, min_seconds=0.0)
+    return timer
+
+
+def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int) -> list[int]:
     """A matmul never gets much faster with more rows, so a point over twice the time of the next
     larger one was disturbed (another process, a thread wake-up): time it again, keeping the
     smaller median, up to twice. Updates ts in place; returns the rows still out of order."""
@@ -86,18 +118,20 @@ def _recheck(lin, rows: list[int], ts: list[float], in_features: int, dtype, rep
             if ts[i] <= 2 * ts[i + 1]:
                 break
             x = torch.randn(rows[i], in_features).to(dtype)
-            with torch.inference_mode():
-                ts[i] = min(ts[i], _time(lambda: lin(x), 2 * repeats))
+            ts[i] = min(ts[i], timer(x, 2 * repeats))
         if ts[i] > 2 * ts[i + 1]:
             suspect.append(rows[i])
     return sorted(suspect)
 
 
 def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, repeats: int,
-                  group_size: int = 128, log=print) -> dict:
-    """{format: {shape: {"rows": [...], "seconds": [...]}}}: median seconds of one call."""
+                  group_size: int = 128, log=print, chooser=None) -> dict:
+    """{format: {shape: {"rows": [...], "seconds": [...], "kernel": ...}}}: median seconds of one
+    call, with the kernel the engine chooses on this machine, weights rotating past the cache."""
+    from mixserve.layers.kernel_choice import KernelChooser
     from mixserve.layers.linear import int4_supported
 
+    chooser = chooser or KernelChooser()
     out = {}
     # bf16 first: an int4 shape the kernel cannot take reuses its dense time
     for fmt in sorted(set(formats) | ({"bf16"} if "int4" in formats else set())):
@@ -108,21 +142,24 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 out[fmt][s.name] = {**out["bf16"][s.name], "note": f"runs dense in the engine: {why}"}
                 log(f"  {fmt:5} {s.name:8} runs dense ({why})")
                 continue
-            lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size)
+            lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser)
+            kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
+            nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
+            timer = _rotating_timer(lin, nbytes)
             ts = []
             for r in rows:
                 x = torch.randn(r, s.in_features).to(dtype)
-                with torch.inference_mode():
-                    # few repeats for the big calls: their spread is small relative to their time
-                    ts.append(_time(lambda: lin(x), repeats if r * s.numel < 2e9 else max(1, repeats // 2)))
-            suspect = _recheck(lin, rows, ts, s.in_features, dtype, repeats)
+                # few passes for the big calls: their spread is small relative to their time
+                ts.append(timer(x, repeats if r * s.numel < 2e9 else 1))
+            suspect = _recheck(timer, rows, ts, s.in_features, dtype, repeats)
+            del timer
             out[fmt][s.name] = {"rows": list(rows), "seconds": ts, "out_features": s.out_features,
-                                "in_features": s.in_features}
+                                "in_features": s.in_features, "kernel": kernel}
             if suspect:
                 out[fmt][s.name]["suspect_rows"] = suspect
                 log(f"  warning: {fmt} {s.name}: fewer rows still timed slower than more at rows {suspect} after "
                     "re-measuring; the host is probably busy, and a plan from this profile will be off")
-            log(f"  {fmt:5} {s.name:8} [{s.out_features}x{s.in_features}] "
+            log(f"  {fmt:5} {s.name:8} [{s.out_features}x{s.in_features}] {kernel}: "
                 + " ".join(f"{r}:{t * 1e3:.2f}ms" for r, t in zip(rows, ts)))
     return {f: out[f] for f in formats}
 
@@ -135,7 +172,7 @@ class _Holder:
 
 
 def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[int, int] | None,
-                    repeats: int, block_size: int = 16) -> float:
+                    repeats: int, block_size: int = 16, decode: str = "sdpa") -> float:
     """Median seconds of one layer's paged_attention for the given batch, prepared by the
     engine's ModelRunner over a BlockManager holding just these sequences."""
     from mixserve.engine.model_runner import BatchItem, ModelRunner
@@ -161,19 +198,28 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
     vt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
     kc, vc = runner.k_caches[0], runner.v_caches[0]
     with torch.inference_mode():
-        return _time(lambda: paged_attention(qt, kt, vt, kc, vc, batch.meta, cfg.head_dim ** -0.5), repeats)
+        return _time(lambda: paged_attention(qt, kt, vt, kc, vc, batch.meta, cfg.head_dim ** -0.5, decode), repeats)
 
 
-def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print) -> dict:
+def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print,
+                    chooser=None) -> dict:
     """Decode attention over a (rows, context) grid and span attention over (queries, context),
     one layer, with least-squares fits; the decode grid itself is kept for the planner
-    (MeasuredModel interpolates it), the decode fit is for reading."""
+    (MeasuredModel interpolates it), the decode fit is for reading. Decode rows use the kernel
+    the engine chooses here (`chooser`)."""
+    from mixserve.layers.attention import decode_candidates
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    chooser = chooser or KernelChooser()
+    dt = str(dtype).removeprefix("torch.")
+    decode = chooser.choose(f"decode_attention/{dt}/{cfg.num_heads}x{cfg.num_kv_heads}x{cfg.head_dim}",
+                            decode_candidates(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype), "sdpa")
     dec_pts = []
     rows_grid = DECODE_ATTENTION_ROWS
     ctx_grid = sorted({c for c in DECODE_ATTENTION_CONTEXTS if c < max_context} | {max_context})
     for b in rows_grid:
         for c in ctx_grid:
-            t = _attention_case(cfg, dtype, [c] * b, None, repeats)
+            t = _attention_case(cfg, dtype, [c] * b, None, repeats, decode=decode)
             dec_pts.append({"rows": b, "context": c, "seconds": t})
     X = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in dec_pts])
     dec_fit = fit_nonneg(X, np.array([p["seconds"] for p in dec_pts]))
@@ -191,7 +237,8 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     log(f"  attention decode fit a={dec_fit[0] * 1e6:.1f}us b={dec_fit[1] * 1e6:.2f}us/row "
         f"c={dec_fit[2] * 1e9:.2f}ns/context-token; span fit a={span_fit[0] * 1e6:.1f}us "
         f"b={span_fit[1] * 1e6:.2f}us/query c={span_fit[2] * 1e9:.3f}ns/pair (per layer)")
-    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid},
+    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid,
+                       "kernel": decode},
             "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
 
 
@@ -307,6 +354,11 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         warnings.append(f"the load average was {load:.1f} on {cores} cores when the probe started: other work "
                         "shares the CPUs, and the timings may not be this machine's")
         log(f"  warning: {warnings[-1]}")
+    from mixserve.layers.kernel_choice import KernelChooser, amx_permitted, cap_threads
+
+    cap_threads()
+    amx = amx_permitted()
+    chooser = KernelChooser()
     t0 = time.perf_counter()
     bw = probe_bandwidth()
     log(f"  memory bandwidth (copy, read + write): {bw / 1e9:.1f} GB/s")
@@ -319,9 +371,15 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         "int4_group_size": 128,
         "machine": {**machine_info(), "device": "cpu"},
         "bandwidth_bytes_per_s": bw,
-        "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log),
-        "attention": probe_attention(cfg, dtype, repeats, max_context, log=log),
+        "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser),
+        "attention": probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser),
     }
+    prof["kernels"] = {"amx": amx, "threads": torch.get_num_threads(),
+                       "choices": {c.key: {"name": c.name, "source": c.source, "timings": c.timings}
+                                   for c in chooser.choices.values()}}
+    log(f"  kernels ({torch.get_num_threads()} threads, AMX {'permitted' if amx else 'not used'}):")
+    for line in chooser.describe():
+        log(f"    {line}")
     if engine_steps:
         prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log)
     else:

@@ -174,11 +174,18 @@ def test_probe_retimes_points_that_are_slower_than_more_rows():
 
     from mixserve.plan.hardware import _recheck
 
+    def timer(fn):  # the probe's timers take (x, passes) and return seconds per call
+        def t(x, passes):
+            t0 = time.perf_counter()
+            fn(x)
+            return time.perf_counter() - t0
+        return t
+
     ts = [1.0, 1e-3, 1e-3]  # rows 1 was disturbed: 1 s against 1 ms at rows 2
-    assert _recheck(lambda x: x.sum(), [1, 2, 4], ts, 8, torch.float32, 3) == []
+    assert _recheck(timer(lambda x: x.sum()), [1, 2, 4], ts, 8, torch.float32, 3) == []
     assert ts[0] < 2e-3 and ts[1:] == [1e-3, 1e-3]
     ts = [1.0, 1e-4]  # a call that really takes 10 ms stays out of order, and is reported
-    assert _recheck(lambda x: time.sleep(0.01), [1, 2], ts, 8, torch.float32, 2) == [1]
+    assert _recheck(timer(lambda x: time.sleep(0.01)), [1, 2], ts, 8, torch.float32, 2) == [1]
 
 
 def test_plan_requests_that_never_fit():

@@ -1,0 +1,237 @@
+"""Kernels chosen by measuring them on the machine at hand, never by a constant tuned on another.
+
+The project's machines differ (a Zen 5 and an AVX-512/AMX Xeon of the same size): oneDNN's
+prepacked bf16 GEMM is 1.37x plain `F.linear` on one and 0.87x on the other, batched-matmul decode
+attention 7x PyTorch's SDPA on one and 0.7x on the other. So each choice is a short timing of the
+candidates on the model's own shapes, made once per CPU model and torch version and cached:
+
+- `dense_linear/<dtype>/<out>x<in>`: "plain" (F.linear) or "onednn" (weight prepacked once into
+  oneDNN's blocked layout), timed at 1, 16 and 128 rows;
+- `decode_attention/<dtype>/<heads>x<kv_heads>x<head_dim>`: "sdpa" (PyTorch's fused kernel) or
+  "bmm" (layers/attention.py `_decode_attention`), at 1 and 16 rows of 512 context;
+- `int4_dense_rows/<dtype>/<out>x<in>`: the row count from which dequantize + dense GEMM beats
+  PyTorch's int4 kernel ("never": the int4 kernel at every row count).
+
+Weights are timed on rotating copies whose total exceeds the last-level cache (`llc_bytes`), as a
+decode step streams every weight once: a cache-hot timing flatters whichever kernel reads more
+bytes. The plain eager path ("plain", "sdpa", "never") is always a candidate and another wins only
+when it is faster by `MARGIN`, so no choice is slower than eager PyTorch beyond timing noise.
+
+Order of authority: an override (`MIXSERVE_KERNELS="dense_linear=plain,decode_attention=bmm"`, a
+key prefix per entry, or "eager" for the eager path everywhere), then the cache
+(`$MIXSERVE_KERNEL_CACHE`, else `<cache root>/kernels/choices.json`; a corrupt or foreign entry is
+ignored and remeasured), then a measurement.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mixserve.env import cache_root, cpu_model
+
+log = logging.getLogger("mixserve")
+
+CACHE_VERSION = 1
+MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
+EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_dense_rows": "never"}
+
+
+def llc_bytes() -> int:
+    """Size in bytes of the largest CPU cache (sysfs); 64 MiB where sysfs does not say."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 64 << 20
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cap_threads() -> int:
+    """Never more intra-op threads than usable cores (oversubscription stalls every GEMM on a
+    2-core VM). Returns the thread count in force."""
+    n = usable_cores()
+    if torch.get_num_threads() > n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def amx_permitted(cpu_flags: str | None = None, request: Callable[[], bool] | None = None) -> bool:
+    """True when the CPU has AMX tiles and the kernel granted this process their use (Linux asks
+    each process to request the AMX state with arch_prctl; torch._C._cpu._init_amx does it).
+    Where the request fails, oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA) so that it never
+    issues an AMX instruction it may not run, the fault that kills llama.cpp's AMX build."""
+    if cpu_flags is None:
+        try:
+            cpu_flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        except OSError:
+            cpu_flags = ""
+    if "amx_tile" not in cpu_flags.split():
+        return False
+    request = request or getattr(torch._C._cpu, "_init_amx", lambda: False)
+    try:
+        ok = bool(request())
+    except Exception:
+        ok = False
+    if not ok:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    return ok
+
+
+def parse_overrides(text: str) -> dict[str, str]:
+    """'dense_linear=plain,decode_attention=bmm' -> {key prefix: candidate}; 'eager' -> EAGER.
+    Raises ValueError on an entry without '='."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        if part == "eager":
+            out.update(EAGER)
+            continue
+        if "=" not in part:
+            raise ValueError(f"kernels: {part!r} is not KEY=NAME (e.g. dense_linear=plain) or 'eager'")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+@dataclass
+class Choice:
+    """One decision: the candidate used for `key`, how it was decided ("override", "cache",
+    "measured"), and the measured seconds per call of each candidate (empty for an override)."""
+
+    key: str
+    name: str
+    source: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def default_cache_path() -> Path:
+    env = os.environ.get("MIXSERVE_KERNEL_CACHE")
+    return Path(env) if env else cache_root() / "kernels" / "choices.json"
+
+
+class KernelChooser:
+    """Decides kernels once per (CPU model, torch version, key) and remembers them.
+
+    Args:
+        path: the JSON cache (default_cache_path()); overrides: {key prefix: name}, default from
+            $MIXSERVE_KERNELS; machine: cache identity, default "<CPU model> | torch <version>".
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
+                 machine: str | None = None):
+        self.path = Path(path) if path is not None else default_cache_path()
+        self.overrides = parse_overrides(os.environ.get("MIXSERVE_KERNELS", "")) if overrides is None else overrides
+        self.machine = machine or f"{cpu_model()} | torch {torch.__version__}"
+        self.choices: dict[str, Choice] = {}
+
+    def _override(self, key: str) -> str | None:
+        hits = [p for p in self.overrides if key == p or key.startswith(p + "/")]
+        return self.overrides[max(hits, key=len)] if hits else None
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write(self, key: str, choice: Choice) -> None:
+        data = self._read() or {"version": CACHE_VERSION, "machines": {}}
+        if not isinstance(data.get("machines"), dict):
+            data["machines"] = {}
+        entry = data["machines"].setdefault(self.machine, {})
+        if not isinstance(entry, dict):
+            entry = data["machines"][self.machine] = {}
+        entry[key] = {"name": choice.name, "timings": choice.timings}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:  # an unwritable cache costs a remeasurement next time, nothing more
+            log.warning("kernel choices not cached (%s): %s", self.path, e)
+
+    def choose(self, key: str, candidates: dict[str, Callable[[], float]], eager: str) -> str:
+        """The candidate to use for `key`.
+
+        candidates: name -> a callable that times that candidate and returns seconds per call;
+        eager: the name of the plain eager path, kept unless another beats it by MARGIN.
+        Raises ValueError for an override naming no candidate.
+        """
+        if key in self.choices:
+            return self.choices[key].name
+        forced = self._override(key)
+        if forced is not None:
+            if forced not in candidates:
+                raise ValueError(f"kernels: {key} has no candidate {forced!r} (candidates: {', '.join(candidates)})")
+            self.choices[key] = Choice(key, forced, "override")
+            return forced
+        cached = self._read().get("machines", {})
+        cached = cached.get(self.machine, {}) if isinstance(cached, dict) else {}
+        hit = cached.get(key) if isinstance(cached, dict) else None
+        if (isinstance(hit, dict) and hit.get("name") in candidates and isinstance(hit.get("timings"), dict)
+                and all(isinstance(v, (int, float)) for v in hit["timings"].values())):
+            self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
+            return hit["name"]
+        log.info("timing kernels for %s (once per machine; cached in %s)", key, self.path)
+        timings = {name: float(fn()) for name, fn in candidates.items()}
+        best = min(timings, key=timings.get)
+        if best != eager and eager in timings and timings[best] > (1 - MARGIN) * timings[eager]:
+            best = eager
+        self.choices[key] = choice = Choice(key, best, "measured", timings)
+        self._write(key, choice)
+        return best
+
+    def describe(self) -> list[str]:
+        """One line per decision: key, choice, how decided, and each candidate's time."""
+        lines = []
+        for c in self.choices.values():
+            t = ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in c.timings.items())
+            lines.append(f"{c.key}: {c.name} ({c.source}{'; ' + t if t else ''})")
+        return lines
+
+
+def rotating_copies(make: Callable[[], object], nbytes: int, max_copies: int = 512) -> list:
+    """Copies made by `make()` (each `nbytes`) until their total exceeds 1.5x the last-level cache,
+    so that cycling over them reads each from memory as a decode step does. max_copies bounds the
+    count for tiny shapes, which are cache-resident in use too."""
+    n = max(2, min(max_copies, -(-int(1.5 * llc_bytes()) // max(1, nbytes))))
+    return [make() for _ in range(n)]
+
+
+def time_calls(copies: list, call: Callable[[object], object], min_passes: int = 3,
+               min_seconds: float = 0.05) -> float:
+    """Median seconds per `call(copy)` over passes that each cycle once through `copies`."""
+    for c in copies[:2]:
+        call(c)
+    per_pass = []
+    t_end = time.perf_counter() + min_seconds
+    while (len(per_pass) < min_passes or time.perf_counter() < t_end) and len(per_pass) < 50:
+        t0 = time.perf_counter()
+        for c in copies:
+            call(c)
+        per_pass.append((time.perf_counter() - t0) / len(copies))
+    per_pass.sort()
+    return per_pass[len(per_pass) // 2]
+
+
+def geomean(xs) -> float:
+    xs = list(xs)
+    return float(torch.tensor(xs, dtype=torch.float64).log().mean().exp())

@@ -1,0 +1,177 @@
+"""Kernels chosen by measurement (layers/kernel_choice.py): the rule, the cache, overrides, AMX,
+and the fast path's output against the eager path on a tiny random model."""
+import json
+
+import pytest
+import torch
+
+from mixserve import SamplingParams
+from mixserve.layers.kernel_choice import EAGER, KernelChooser, amx_permitted, cap_threads, parse_overrides
+from mixserve.llm import LLM
+from tests.reference import compare_greedy, engine_logits_along
+from tests.unit.test_engine_tiny import make_tiny, prompts
+
+
+def stub(seconds, calls):
+    def t():
+        calls.append(seconds)
+        return seconds
+    return t
+
+
+def test_faster_candidate_chosen_and_cached(tmp_path):
+    path = tmp_path / "choices.json"
+    calls = []
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    assert c.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
+    assert c.choices["dense_linear/x"].source == "measured"
+    assert len(calls) == 2
+    saved = json.loads(path.read_text())
+    assert saved["machines"]["cpu A | torch 1"]["dense_linear/x"]["name"] == "onednn"
+    # a new process on the same machine reads the cache and measures nothing
+    c2 = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    assert c2.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
+    assert c2.choices["dense_linear/x"].source == "cache" and len(calls) == 2
+    # another CPU model (or torch version) measures for itself, beside the first
+    c3 = KernelChooser(path, overrides={}, machine="cpu B | torch 1")
+    assert c3.choose("dense_linear/x", {"plain": stub(1.0, calls), "onednn": stub(3.0, calls)}, "plain") == "plain"
+    assert len(calls) == 4
+    saved = json.loads(path.read_text())
+    assert set(saved["machines"]) == {"cpu A | torch 1", "cpu B | torch 1"}
+
+
+def test_eager_kept_unless_beaten_by_the_margin(tmp_path):
+    c = KernelChooser(tmp_path / "c.json", overrides={}, machine="m")
+    # 1% faster is timing noise: never trade the eager path for it
+    assert c.choose("k1", {"sdpa": lambda: 1.0, "bmm": lambda: 0.99}, "sdpa") == "sdpa"
+    assert c.choose("k2", {"sdpa": lambda: 1.0, "bmm": lambda: 0.5}, "sdpa") == "bmm"
+
+
+@pytest.mark.parametrize("garbage", ["{not json", "[]", '{"version": 1, "machines": {"m": {"k": {"name": "gone"}}}}',
+                                     '{"version": 1, "machines": {"m": {"k": {"name": "a", "timings": "x"}}}}',
+                                     '{"version": 1, "machines": ["m"]}', '{"version": 99}', ""])
+def test_corrupt_cache_is_ignored_and_remeasured(tmp_path, garbage):
+    path = tmp_path / "c.json"
+    path.write_text(garbage)
+    calls = []
+    c = KernelChooser(path, overrides={}, machine="m")
+    assert c.choose("k", {"a": stub(2.0, calls), "b": stub(1.0, calls)}, "a") == "b"
+    assert len(calls) == 2 and c.choices["k"].source == "measured"
+    assert json.loads(path.read_text())["machines"]["m"]["k"]["name"] == "b"  # and repaired
+
+
+def test_unwritable_cache_still_chooses(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    c = KernelChooser(blocker / "sub" / "c.json", overrides={}, machine="m")  # a file where a folder should be
+    assert c.choose("k", {"a": lambda: 2.0, "b": lambda: 1.0}, "a") == "b"
+
+
+def test_overrides(tmp_path):
+    calls = []
+    c = KernelChooser(tmp_path / "c.json", overrides=parse_overrides("dense_linear=plain,dense_linear/bf16/9x9=onednn"),
+                      machine="m")
+    # the longest matching key prefix wins; nothing is measured
+    assert c.choose("dense_linear/bf16/9x9", {"plain": stub(1, calls), "onednn": stub(2, calls)}, "plain") == "onednn"
+    assert c.choose("dense_linear/bf16/4x4", {"plain": stub(2, calls), "onednn": stub(1, calls)}, "plain") == "plain"
+    assert calls == [] and c.choices["dense_linear/bf16/4x4"].source == "override"
+    with pytest.raises(ValueError, match="no candidate 'fast'"):
+        KernelChooser(tmp_path / "c.json", overrides={"k": "fast"}, machine="m").choose("k", {"a": lambda: 1}, "a")
+    assert parse_overrides("eager") == EAGER
+    with pytest.raises(ValueError, match="KEY=NAME"):
+        parse_overrides("onednn")
+
+
+def test_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXSERVE_KERNELS", "decode_attention=bmm")
+    c = KernelChooser(tmp_path / "c.json", machine="m")
+    assert c.choose("decode_attention/bf16/1x1x1", {"sdpa": lambda: 1.0, "bmm": lambda: 2.0}, "sdpa") == "bmm"
+
+
+def test_amx_only_where_the_permission_request_succeeds(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert amx_permitted("flags fpu avx512f", request=lambda: True) is False  # no AMX on this CPU
+    assert amx_permitted("flags avx512f amx_tile amx_bf16", request=lambda: True) is True
+    import os
+
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+
+    def refused():
+        raise OSError("arch_prctl: operation not permitted")
+
+    assert amx_permitted("flags avx512f amx_tile amx_bf16", request=refused) is False
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"  # oneDNN capped below AMX
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert amx_permitted("flags amx_tile", request=lambda: False) is False
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+
+
+def test_threads_never_exceed_cores(monkeypatch):
+    import mixserve.layers.kernel_choice as kc
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(kc, "usable_cores", lambda: 1)
+        torch.set_num_threads(2)
+        assert cap_threads() == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_real_candidates_time_something(tmp_path):
+    """The timers the model uses return positive seconds for every candidate."""
+    from mixserve.layers.attention import decode_candidates
+    from mixserve.layers.linear import dense_candidates, int4_candidates
+
+    for cands in (dense_candidates(64, 32, torch.float32), decode_candidates(4, 2, 16, torch.float32, context=32),
+                  int4_candidates(32, 64, 32, torch.float32)):
+        ts = {k: f() for k, f in cands.items()}
+        assert all(t > 0 for t in ts.values()), ts
+    assert set(int4_candidates(32, 64, 32, torch.float32)) >= {"never", "16", "512"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("kc"), "qwen2", tie=True)
+
+
+FAST = ["dense_linear=onednn,decode_attention=bmm", "dense_linear=plain,decode_attention=sdpa"]
+
+
+@pytest.mark.parametrize("kernels", FAST)
+@pytest.mark.parametrize("quant", [None, "rtn"])
+def test_fast_path_equals_eager_path(tiny, kernels, quant):
+    """Greedy in float32, token for token (tie rule), at batch sizes 1, 3, 5 and 11 (decode groups
+    of several sizes), for each kernel against the eager one; int4 with the dequantize path from 4
+    rows against the int4 kernel at every row count."""
+    folder, _ = tiny
+    common = dict(dtype="float32", kv_cache_memory="8MiB", block_size=8, progress=False, quantization=quant,
+                  quant_group_size=32)
+    eager = LLM(folder, kernels="eager", **common)
+    fast = LLM(folder, kernels=kernels + (",int4_dense_rows=4" if quant else ""), **common)
+    if quant:
+        assert any(getattr(m, "dense_rows", None) == 4 for m in fast.engine.model.modules())
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for n in (1, 3, 5, 11):
+        ps = prompts(n, seed=n)
+        a, b = eager.generate(ps, sp), fast.generate(ps, sp)
+        assert all(len(x.token_ids) == 24 for x in a + b)
+        for x, y in zip(a, b):
+            # the eager engine's own logits for the tie rule: rerun its tokens as a prompt
+            if x.token_ids != y.token_ids:
+                ref = eager.engine
+                logits = engine_logits_along(ref, x.prompt_token_ids, x.token_ids)
+                c = compare_greedy(y.token_ids, x.token_ids, logits)
+                assert c.ok, f"batch {n}: diverged at {c.position} (gap {c.gap})"
+
+
+def test_engine_describes_its_kernels(tiny):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False,
+              kernels="dense_linear=onednn,decode_attention=bmm")
+    text = llm.engine.describe()
+    assert "kernels (override)" in text and "dense_linear onednn" in text and "decode_attention bmm" in text
+    assert all(getattr(m, "impl", "onednn") == "onednn" for m in llm.engine.model.modules())
+    assert all(layer.decode_attention == "bmm" for layer in llm.engine.model.layers)
+    with pytest.raises(ValueError, match="KEY=NAME"):
+        LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels="fastest")
