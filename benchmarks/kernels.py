@@ -53,11 +53,14 @@ def int4_crossover():
 
 
 def main():
-    import sys
+    import argparse
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--int4", action="store_true", help="int4 kernel vs dequantize + GEMM by rows")
+    a = ap.parse_args()
     torch.set_num_threads(2)
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}")
-    if "--int4" in sys.argv:
+    if a.int4:
         int4_crossover()
         return
     for dt in (torch.bfloat16, torch.float32):

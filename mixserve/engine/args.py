@@ -59,8 +59,9 @@ class EngineArgs:
     num_speculative_tokens: the largest k proposed per step. speculation: auto | fixed | off.
     quantization: None (as stored: dense, or int4 for an AWQ checkpoint), "rtn" (round-to-nearest
         int4 at load), "awq" (require an AWQ checkpoint). quant_group_size: group size for rtn.
-    quant_lm_head: also round the LM head to int4 at load (rtn, group quant_group_size) in an int4
+    quant_lm_head: round the LM head to int4 at load (rtn, group quant_group_size) in an int4
         model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
+        None (the default): on for int4 models; False keeps the head in the compute dtype.
     kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before
         it: one region per sequence reserved at admission, see kv/contiguous.py).
     reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
@@ -84,10 +85,15 @@ class EngineArgs:
     speculation: str = "auto"
     quantization: str | None = None
     quant_group_size: int = 128
-    quant_lm_head: bool = False
+    quant_lm_head: bool | None = None
     kv_allocator: str = "paged"
     reserve: str = "max-model-len"
     kernels: str = "auto"
+
+    @property
+    def int4_lm_head(self) -> bool:
+        """Whether an int4 model gets an int4 LM head (quant_lm_head unless turned off)."""
+        return self.quant_lm_head is not False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -105,7 +111,7 @@ class EngineArgs:
             raise ValueError(f"quantization: must be rtn or awq (got {self.quantization!r})")
         if not isinstance(self.quant_group_size, int) or self.quant_group_size < 32 or self.quant_group_size % 32:
             raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
-        if self.quant_lm_head and self.quantization is None and not is_awq_folder(self.model):
+        if self.quant_lm_head is True and self.quantization is None and not is_awq_folder(self.model):
             raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
         if self.kv_allocator not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocator: must be paged or contiguous (got {self.kv_allocator!r})")

@@ -67,7 +67,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
             args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,
-            args.quant_lm_head)
+            args.int4_lm_head)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:

@@ -12,13 +12,11 @@ low and high nibble of byte [k, j]. Output w[n, k] = (q - 8) * scale[n, k / g] +
 """
 from __future__ import annotations
 
-import logging
-import os
 import threading
 
 import torch
 
-log = logging.getLogger("mixserve")
+from mixserve.layers.cpp_build import build_extension
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -91,31 +89,8 @@ torch::Tensor dequant(torch::Tensor packed, torch::Tensor scales, torch::Tensor 
 }
 """
 
-_module = None
-_failed = False
-
-
 def _load():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
-        _failed = True
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        from mixserve.env import cache_root
-
-        build = cache_root() / "kernels" / f"torch-{torch.__version__}"
-        build.mkdir(parents=True, exist_ok=True)
-        _module = load_inline("mixserve_int4_dequant_v5", cpp_sources=_SRC,
-                              functions=["dequant"], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                              extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-    except Exception as e:  # no compiler, no headers: the eager path still works
-        log.warning("int4 dequantization kernel unavailable (%s); using eager ops", e)
-        _failed = True
-    return _module
+    return build_extension("mixserve_int4_dequant_v5", _SRC, ["dequant"])
 
 
 _local = threading.local()

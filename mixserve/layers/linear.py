@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixserve.layers import bf16_gemv
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
@@ -19,10 +20,12 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class DenseLinear(nn.Module):
     """y = x @ W^T + b, W [out_features, in_features] in the compute dtype.
 
-    Two kernels, chosen per machine by measurement (layers/kernel_choice.py, `set_impl`):
-    "plain" (F.linear, PyTorch's eager path, the default) or "onednn" (the weight reordered once
-    into oneDNN's blocked layout, as Inductor does for frozen CPU linears; on a Zen 5 it was 1.37x
-    F.linear at 1 row, on the AVX-512/AMX Xeon 0.87x). Only one copy of the weight is resident.
+    Kernels, chosen per machine by measurement (layers/kernel_choice.py, `set_impl`): "plain"
+    (F.linear, PyTorch's eager path, the default), "onednn" (the weight reordered once into
+    oneDNN's blocked layout, as Inductor does for frozen CPU linears; on a Zen 5 it was 1.37x
+    F.linear at 1 row, on the AVX-512/AMX Xeon 0.87x) or "gemv" (bf16 only, where AVX512-BF16
+    exists: layers/bf16_gemv.py for up to bf16_gemv.MAX_ROWS rows, F.linear above). Only one copy
+    of the weight is resident.
 
     Args: weight [out, in] float32/bfloat16; bias [out] or None.
     """
@@ -36,20 +39,25 @@ class DenseLinear(nn.Module):
         self.impl = "plain"
 
     def set_impl(self, impl: str) -> None:
-        """Switch kernel: "plain" or "onednn" (falls back to plain where oneDNN cannot take the
-        weight). Raises ValueError for another name."""
-        if impl not in ("plain", "onednn"):
-            raise ValueError(f"dense linear: unknown kernel {impl!r} (plain or onednn)")
+        """Switch kernel: "plain", "onednn" or "gemv"; a kernel that cannot take this weight
+        (oneDNN off, not bf16, no AVX512-BF16) leaves it on "plain". Raises ValueError for
+        another name."""
+        if impl not in ("plain", "onednn", "gemv"):
+            raise ValueError(f"dense linear: unknown kernel {impl!r} (plain, onednn or gemv)")
         if impl == self.impl:
             return
-        if impl == "onednn" and _can_prepack(self.weight):
+        if self.packed is not None:
+            self.weight, self.packed = self.packed.to_dense(), None
+        self.impl = "plain"
+        if impl == "gemv" and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
+                and bf16_gemv.available():
+            self.weight, self.impl = self.weight.contiguous(), "gemv"
+        elif impl == "onednn" and _can_prepack(self.weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), batch_size=1)
                 self.weight, self.impl = None, "onednn"
             except RuntimeError:
                 self.packed = None
-        elif impl == "plain":
-            self.weight, self.packed, self.impl = self.packed.to_dense(), None, "plain"
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor."""
@@ -58,10 +66,12 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.impl == "gemv" and x.dim() == 2 and x.shape[0] <= bf16_gemv.MAX_ROWS and x.dtype == torch.bfloat16:
+            return bf16_gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-DENSE_ROWS = (1, 16, 128)
+DENSE_ROWS = (1, 4, 16, 128)
 
 
 def dense_candidates(out_features: int, in_features: int, dtype: torch.dtype) -> dict:
@@ -85,6 +95,8 @@ def dense_candidates(out_features: int, in_features: int, dtype: torch.dtype) ->
     cands = {"plain": timer("plain")}
     if _can_prepack(torch.empty(0, dtype=dtype)):
         cands["onednn"] = timer("onednn")
+    if dtype == torch.bfloat16 and bf16_gemv.available():
+        cands["gemv"] = timer("gemv")
     return cands
 
 

@@ -175,3 +175,21 @@ def test_engine_describes_its_kernels(tiny):
     assert all(layer.decode_attention == "bmm" for layer in llm.engine.model.layers)
     with pytest.raises(ValueError, match="KEY=NAME"):
         LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels="fastest")
+
+
+@pytest.mark.parametrize("impl", ["plain", "onednn", "gemv"])
+def test_dense_kernels_agree(impl):
+    """Each dense kernel against float32 math on the same bf16 weight, at rows around the gemv
+    limit, and switching back and forth keeps the weight."""
+    from mixserve.layers.linear import DenseLinear
+
+    w = torch.randn(72, 100).to(torch.bfloat16)
+    b = torch.randn(72).to(torch.bfloat16)
+    lin = DenseLinear(w.clone(), b)
+    lin.set_impl(impl)
+    for rows in (1, 3, 4, 5, 17):
+        x = torch.randn(rows, 100).to(torch.bfloat16)
+        ref = x.float() @ w.float().t() + b.float()
+        torch.testing.assert_close(lin(x).float(), ref, atol=0.05, rtol=0.02)
+    lin.set_impl("plain")
+    assert torch.equal(lin.dense_weight(), w)

@@ -515,3 +515,10 @@ def test_pull_smollm2_for_real():
     r = registry.resolve_model("smollm2-135m-instruct")
     assert r.kind == "gguf" and r.path == path
     registry.check_gguf(path)
+
+
+def test_machine_info_names_what_a_timing_needs():
+    info = env.machine_info()
+    assert set(info) == {"cpu", "cores", "torch_threads", "torch", "date"}
+    assert isinstance(info["cpu"], str) and info["cpu"] and info["cores"] >= 1
+    assert info["date"].count("-") == 2

@@ -98,3 +98,23 @@ def test_coupled_rule_is_leviathans_for_a_fixed_draft():
     resid = P[0].clone()
     resid[x] = 0
     assert tv(rejected_to / rejected_to.sum(), resid / resid.sum()) < 0.03
+
+
+def test_verify_picks_the_rule_the_request_asks_for():
+    from mixserve.engine.sampler import exponential_noise, race
+    from mixserve.spec_decode.rejection import verify
+
+    logits = torch.log(torch.tensor([[0.1, 0.7, 0.2], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]))
+    # greedy: accept while the draft is the argmax, then the argmax
+    assert verify(logits, [1, 0], None, True, [None] * 3) == (2, [1, 0, 2])
+    assert verify(logits, [2, 0], None, True, [None] * 3) == (0, [1])
+    # seeded: the coupled rule, so each emitted token is the race with that position's noise
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    again = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    j, toks = verify(logits, [], None, False, gens[:1])
+    assert j == 0 and toks == race(torch.softmax(logits[:1], -1), exponential_noise(again[0], 3)[None]).tolist()
+    # unseeded with a deterministic proposer (q None): a token the target gives probability 0 is
+    # never accepted, one it gives probability 1 always is
+    sure = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]).clamp_min(1e-30).log()
+    assert verify(sure, [2], None, False, [None, None]) == (1, [2, 0])
+    assert verify(sure, [1], None, False, [None, None]) == (0, [2])
