@@ -186,7 +186,9 @@ class KernelChooser:
         cached = self._read().get("machines", {})
         cached = cached.get(self.machine, {}) if isinstance(cached, dict) else {}
         hit = cached.get(key) if isinstance(cached, dict) else None
+        # a cached choice stands only for the same candidates: a new kernel gets measured
         if (isinstance(hit, dict) and hit.get("name") in candidates and isinstance(hit.get("timings"), dict)
+                and set(hit["timings"]) == set(candidates)
                 and all(isinstance(v, (int, float)) for v in hit["timings"].values())):
             self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
             return hit["name"]

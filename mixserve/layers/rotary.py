@@ -12,7 +12,8 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotary dimension (the whole head here).
         max_positions: table length in tokens.
         theta: base frequency (the model's rope_theta / GGUF `rope.freq_base`).
-    forward(positions [T] int64, q [T, H, d], k [T, Hkv, d]) -> rotated (q, k), same dtypes.
+    tables(positions [T] int64) -> (cos, sin) [T, 1, d], looked up once per forward pass;
+    apply(q [T, H, d], k [T, Hkv, d], cos, sin) -> rotated (q, k), same dtypes, in each layer.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype):
@@ -29,9 +30,11 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        return self.apply(q, k, *self.tables(positions))

@@ -40,7 +40,8 @@ class DecoderLayer(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x, positions, meta: AttentionMetadata, rope: RotaryEmbedding):
+    def forward(self, x, rope_tables: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                rope: RotaryEmbedding):
         cfg = self.cfg
         T = x.shape[0]
         h = self.input_layernorm(x)
@@ -49,7 +50,7 @@ class DecoderLayer(nn.Module):
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = rope.apply(q, k, *rope_tables)
         a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
@@ -125,7 +126,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 [T]; logits_indices: int64 [N] rows of the batch whose
         next-token logits are wanted. Returns float32 logits [N, vocab_size]."""
         x = self.embed_tokens(input_ids)
+        tables = self.rope.tables(positions)  # one lookup per step, not per layer
         for layer in self.layers:
-            x = layer(x, positions, meta, self.rope)
+            x = layer(x, tables, meta, self.rope)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

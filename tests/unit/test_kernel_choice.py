@@ -38,6 +38,10 @@ def test_faster_candidate_chosen_and_cached(tmp_path):
     assert len(calls) == 4
     saved = json.loads(path.read_text())
     assert set(saved["machines"]) == {"cpu A | torch 1", "cpu B | torch 1"}
+    # a kernel added since the cache was written is measured, not ignored
+    c4 = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    three = {"plain": stub(2.0, calls), "onednn": stub(1.0, calls), "gemv": stub(0.5, calls)}
+    assert c4.choose("dense_linear/x", three, "plain") == "gemv" and len(calls) == 7
 
 
 def test_eager_kept_unless_beaten_by_the_margin(tmp_path):

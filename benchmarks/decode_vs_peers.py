@@ -1,0 +1,250 @@
+"""Single-stream decode speed of mixserve vs llama.cpp and HF transformers, side by side (issue 14).
+
+One run on the machine at hand, one stream, greedy, 128 generated tokens, prefill excluded,
+2 threads, no speculation, for each model in --models:
+
+- llama.cpp: `llama-bench -m GGUF -p 0 -n 128 -t 2 -o json` (tg128: 128 one-token decodes from an
+  empty context, mean of llama-bench's 5 repetitions after its warm-up) on the GGUF as shipped. The
+  binary comes from benchmarks/build_llama_cpp.sh (no AMX); --llama-bench PATH, else
+  <cache_root>/llama.cpp/bin/llama-bench, else the column is skipped with a note.
+- HF transformers bf16, loaded by transformers' own GGUF loader: tok/s = 127 / (time of a
+  128-token `generate` - time of a 1-token `generate`) on the HumanEval/0 prompt (one warm-up
+  1-token generate first).
+- mixserve: "eager" (kernels=eager, bf16), "bf16" (kernels=auto), "int4" (rtn, group 128, int4 LM
+  head, kernels=auto). After a 4-token warm-up request, the HumanEval/0 prompt is added, one step
+  runs prefill + first token, and the next 127 steps are timed one by one: tok/s = 127 / their sum.
+
+Bytes per token = weight bytes read per decoded token: mixserve, every DenseLinear (out x in x dtype
+size) and Int4Linear (weight_bytes()); llama.cpp, every GGUF tensor but token_embd.weight when
+output.weight exists; HF, parameter bytes minus the input embedding when the head is separate.
+GB/s = tok/s x bytes/token, set against the read bandwidth measured in the same run (median
+time of t.sum() over 1 GiB of float32) and against the streaming rate of F.linear over rotating
+9728x896 bf16 weights (> 1 GB, 1 row), which judges the target "bf16 0.5B >= 1.3x HF or >= 90%
+of F.linear's streaming rate / bytes per token".
+
+    flock /tmp/heavy.lock python benchmarks/decode_vs_peers.py \
+        --models qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mixserve.env import cache_root, machine_info
+from mixserve.layers.kernel_choice import amx_permitted
+
+NEW_TOKENS = 128
+THREADS = 2
+MIXSERVE_CONFIGS = {
+    "eager": dict(kernels="eager", dtype="bfloat16"),
+    "bf16": dict(kernels="auto", dtype="bfloat16"),
+    "int4": dict(kernels="auto", dtype="bfloat16", quantization="rtn", quant_group_size=128, quant_lm_head=True),
+}
+
+
+def gguf_path(model: str) -> Path:
+    if model.endswith(".gguf"):
+        return Path(model)
+    from mixserve.models.registry import pull
+
+    return Path(pull(model, progress=False))
+
+
+def humaneval0() -> str:
+    from mixserve.data.datasets import load_humaneval
+
+    return load_humaneval(1)[0].prompt
+
+
+def read_bandwidth() -> float:
+    t = torch.ones(2**28)  # 1 GiB of float32
+    t.sum()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        t.sum()
+        times.append(time.perf_counter() - t0)
+    return t.numel() * 4 / statistics.median(times)
+
+
+def bf16_stream_rate() -> float:
+    # 64 copies of 17.4 MB: far past the last-level cache, so every call streams from DRAM
+    ws = [torch.randn(9728, 896).to(torch.bfloat16) for _ in range(64)]
+    x = torch.randn(1, 896).to(torch.bfloat16)
+    for w in ws:
+        F.linear(x, w)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for w in ws:
+            F.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    return sum(w.numel() * 2 for w in ws) / statistics.median(times)
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    if "output.weight" in tensors:  # separate head: the embedding table is only indexed
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def run_llama_bench(binary: Path, path: Path) -> dict:
+    out = subprocess.run([str(binary), "-m", str(path), "-p", "0", "-n", str(NEW_TOKENS), "-t", str(THREADS),
+                          "-o", "json"], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"llama-bench exited {out.returncode}: {out.stderr[-500:]}")
+    r = json.loads(out.stdout)[0]
+    return {"tok_s": r["avg_ts"], "stddev_tok_s": r["stddev_ts"], "build_commit": r["build_commit"],
+            "model_type": r["model_type"], "bytes_per_token": gguf_bytes_per_token(path)}
+
+
+def run_hf(path: Path, prompt: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.bfloat16).eval()
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+
+    def gen(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False)
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0
+
+    gen(1)  # warm-up
+    t1, tn = gen(1), gen(NEW_TOKENS)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if head.data_ptr() != emb.data_ptr():
+        nbytes -= emb.numel() * emb.element_size()
+    res = {"tok_s": (NEW_TOKENS - 1) / (tn - t1), "prompt_tokens": ids.shape[1], "bytes_per_token": nbytes,
+           "tied_head": head.data_ptr() == emb.data_ptr()}
+    del model
+    gc.collect()
+    return res
+
+
+def mixserve_bytes_per_token(engine) -> int:
+    from mixserve.layers.linear import DenseLinear, Int4Linear
+
+    elt = torch.finfo(engine.dtype).bits // 8
+    total = 0
+    for m in engine.model.modules():
+        if isinstance(m, DenseLinear):
+            total += m.out_features * m.in_features * elt
+        elif isinstance(m, Int4Linear):
+            total += m.weight_bytes()
+    return total
+
+
+def run_mixserve(model: str, prompt: str, config: dict) -> dict:
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
+    from mixserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineArgs(model=model, kv_cache_memory="256MiB", progress=False, speculation="off",
+                                  **config))
+    ids = engine.tokenizer.encode(prompt)
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    engine.step()  # prefill + first token
+    steps = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    assert len(steps) == NEW_TOKENS - 1, len(steps)
+    res = {"tok_s": len(steps) / sum(steps), "median_step_ms": 1e3 * statistics.median(steps),
+           "prompt_tokens": len(ids), "bytes_per_token": mixserve_bytes_per_token(engine),
+           "describe": engine.describe(), "load_s": engine.load_time_s, "kernel_choice_s": engine.kernel_choice_s}
+    del engine
+    gc.collect()
+    return res
+
+
+def table(rows: list[dict], bandwidth: float) -> str:
+    lines = ["| model | engine | tok/s | ms/token | median step ms | bytes/token | GB/s | % of bandwidth "
+             "| × llama.cpp | × HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peers = {p["engine"]: p["tok_s"] for p in rows if p["model"] == r["model"]}
+        gbs = r["tok_s"] * r["bytes_per_token"] / 1e9
+        ratio = lambda k: f"{r['tok_s'] / peers[k]:.2f}" if k in peers else "—"
+        step = f"{r['median_step_ms']:.1f}" if "median_step_ms" in r else "—"
+        lines.append(f"| {r['model']} | {r['engine']} | {r['tok_s']:.1f} | {1e3 / r['tok_s']:.1f} | {step} "
+                     f"| {r['bytes_per_token'] / 1e6:.0f} MB | {gbs:.1f} | {gbs * 1e9 / bandwidth:.0%} "
+                     f"| {ratio('llama.cpp')} | {ratio('HF bf16')} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct",
+                    help="comma-separated built-in names or GGUF paths")
+    ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: the build script's)")
+    ap.add_argument("--out", default="results/decode_vs_peers.json")
+    a = ap.parse_args()
+    amx_permitted()  # before any oneDNN call, so HF and F.linear run under the ISA cap mixserve uses
+    torch.set_num_threads(THREADS)
+
+    binary = Path(a.llama_bench) if a.llama_bench else cache_root() / "llama.cpp" / "bin" / "llama-bench"
+    notes = []
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        notes.append(f"llama.cpp skipped: no llama-bench at {binary} (run benchmarks/build_llama_cpp.sh)")
+        binary = None
+
+    prompt = humaneval0()
+    bandwidth = read_bandwidth()
+    stream = bf16_stream_rate()
+    print(f"read bandwidth (t.sum, 1 GiB f32): {bandwidth / 1e9:.1f} GB/s; "
+          f"F.linear bf16 streaming (1 row, rotating 9728x896): {stream / 1e9:.1f} GB/s", flush=True)
+
+    rows = []
+    for model in a.models.split(","):
+        path = gguf_path(model)
+        name = path.stem if model.endswith(".gguf") else model
+        if binary is not None:
+            rows.append({"model": name, "engine": "llama.cpp", **run_llama_bench(binary, path)})
+            print(f"{name} llama.cpp: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+        rows.append({"model": name, "engine": "HF bf16", **run_hf(path, prompt)})
+        print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+        for cname, cfg in MIXSERVE_CONFIGS.items():
+            rows.append({"model": name, "engine": f"mixserve {cname}", **run_mixserve(model, prompt, cfg)})
+            print(f"{name} mixserve {cname}: {rows[-1]['tok_s']:.1f} tok/s; {rows[-1]['describe']}", flush=True)
+
+    for r in rows:
+        if r["engine"] == "mixserve bf16":
+            hf = next(p["tok_s"] for p in rows if p["model"] == r["model"] and p["engine"] == "HF bf16")
+            bound = stream / r["bytes_per_token"]
+            notes.append(f"{r['model']} mixserve bf16: {r['tok_s'] / hf:.2f}x HF (target >= 1.3), "
+                         f"{r['tok_s'] / bound:.0%} of F.linear's streaming bound {bound:.1f} tok/s (target >= 90%)")
+    info = machine_info()
+    text = table(rows, bandwidth)
+    print(f"\nMachine: {info}\n\n{text}\n")
+    print("\n".join(notes))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "read_bandwidth_Bps": bandwidth, "bf16_linear_stream_Bps": stream,
+                               "new_tokens": NEW_TOKENS, "threads": THREADS, "rows": rows, "notes": notes,
+                               "table": text}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
