@@ -132,8 +132,12 @@ def run_hf(path: Path, prompt: str) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if head.data_ptr() != emb.data_ptr():
         nbytes -= emb.numel() * emb.element_size()
+    # transformers may keep GGUF blocks packed (GgufLinear, with the `kernels` package): then this
+    # row would not be bf16, so the linear classes and weight dtypes are recorded
+    linears = sorted({f"{type(m).__name__}/{m.weight.dtype}" for m in model.modules()
+                      if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2})
     res = {"tok_s": (NEW_TOKENS - 1) / (tn - t1), "prompt_tokens": ids.shape[1], "bytes_per_token": nbytes,
-           "tied_head": head.data_ptr() == emb.data_ptr()}
+           "tied_head": head.data_ptr() == emb.data_ptr(), "linears": linears}
     del model
     gc.collect()
     return res
@@ -223,7 +227,7 @@ def main():
             rows.append({"model": name, "engine": "llama.cpp", **run_llama_bench(binary, path)})
             print(f"{name} llama.cpp: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
         rows.append({"model": name, "engine": "HF bf16", **run_hf(path, prompt)})
-        print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+        print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s; modules {rows[-1]['linears']}", flush=True)
         for cname, cfg in MIXSERVE_CONFIGS.items():
             rows.append({"model": name, "engine": f"mixserve {cname}", **run_mixserve(model, prompt, cfg)})
             print(f"{name} mixserve {cname}: {rows[-1]['tok_s']:.1f} tok/s; {rows[-1]['describe']}", flush=True)

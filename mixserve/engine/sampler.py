@@ -263,6 +263,16 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return out
 
 
+def greedy_ids(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first index of the largest value, as torch.argmax), int64.
+
+    Through `max(dim).indices`: on the project's CPUs PyTorch's argmax kernel takes 11.7 ms for
+    64 rows of a 152k vocabulary where max takes 3.2 ms (2 threads); a step's greedy sampling
+    of a large batch was mostly this.
+    """
+    return x.max(dim=-1).indices
+
+
 def exponential_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:
     """float64 [vocab] i.i.d. Exp(1) draws from `generator` (CPU).
 
@@ -277,7 +287,7 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     (the "exponential race", equivalent to the Gumbel-max trick; Gumbel 1954, Maddison et al.
     2014). probs [..., V] (any float dtype, rows sum to 1), noise [..., V] float64 on any
     device. Returns int64 [...] token ids."""
-    return (probs.to(torch.float64) / noise.to(probs.device)).argmax(dim=-1)
+    return greedy_ids(probs.to(torch.float64) / noise.to(probs.device))
 
 
 def probs_from_logits(processed: torch.Tensor) -> torch.Tensor:
@@ -331,12 +341,12 @@ class Sampler:
         processed = process_logits(raw, meta) if needs_processing else raw
 
         if not sampled_rows:
-            tokens = processed.argmax(dim=-1)
+            tokens = greedy_ids(processed)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=device)
             if greedy_rows:
                 g_idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
-                tokens[g_idx] = processed.index_select(0, g_idx).argmax(dim=-1)
+                tokens[g_idx] = greedy_ids(processed.index_select(0, g_idx))
             s_idx = torch.tensor(sampled_rows, dtype=torch.long, device=device)
             probs = probs_from_logits(processed if not greedy_rows else processed.index_select(0, s_idx))
             # local position j in `probs` corresponds to batch row sampled_rows[j]

@@ -12,8 +12,9 @@ class RotaryEmbedding(nn.Module):
         head_dim: rotary dimension (the whole head here).
         max_positions: table length in tokens.
         theta: base frequency (the model's rope_theta / GGUF `rope.freq_base`).
-    tables(positions [T] int64) -> (cos, sin) [T, 1, d], looked up once per forward pass;
-    apply(q [T, H, d], k [T, Hkv, d], cos, sin) -> rotated (q, k), same dtypes, in each layer.
+    tables(positions [T] int64) -> (cos, signed sin) [T, 1, d], looked up once per forward pass;
+    rotate(x [T, heads, d] (q and k heads side by side), cos, sin) -> rotated x, in each layer;
+    forward(positions, q, k) -> rotated (q, k), same dtypes.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype):
@@ -24,17 +25,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: one roll instead of chunk, neg, cat
+        half = head_dim // 2
+        self.register_buffer("sin_signed", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).to(dtype),
+                             persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        # the same products and sum as x * cos + rotate_half(x) * sin, so the same rounding
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return self.apply(q, k, *self.tables(positions))
+        cos, sin = self.tables(positions)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

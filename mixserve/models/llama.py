@@ -46,11 +46,10 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(T, cfg.num_heads, cfg.head_dim)
-        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rope.apply(q, k, *rope_tables)
+        # q and k heads rotated in one pass over their slice of the fused projection
+        qk = rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), *rope_tables)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)

@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import SamplingMetadata, exponential_noise, probs_from_logits, process_logits, race
+from mixserve.engine.sampler import (SamplingMetadata, exponential_noise, greedy_ids, probs_from_logits, process_logits,
+                                     race)
 from mixserve.kv.block_manager import BlockManager
 from mixserve.sequence import Sequence
 
@@ -96,7 +97,7 @@ class DraftModelProposer:
             for r, i in enumerate(active):
                 s = seqs[i]
                 if s.params.greedy:
-                    t = int(processed[r].argmax())
+                    t = int(greedy_ids(processed[r]))
                 elif meta.generators[r] is not None:
                     # seeded: the noise the target will use at this position (accept_coupled),
                     # so no q is needed

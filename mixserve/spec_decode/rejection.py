@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.engine.sampler import exponential_noise, probs_from_logits, race
+from mixserve.engine.sampler import exponential_noise, greedy_ids, probs_from_logits, race
 
 
 def accept_greedy(target_argmax: list[int], draft: list[int]) -> tuple[int, list[int]]:
@@ -112,7 +112,7 @@ def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, greed
         (j accepted draft tokens, the j + 1 tokens to emit).
     """
     if greedy:
-        return accept_greedy(logits.argmax(-1).tolist(), draft)
+        return accept_greedy(greedy_ids(logits).tolist(), draft)
     if generators[0] is not None:
         noise = torch.stack([exponential_noise(g, logits.shape[1]) for g in generators])
         return accept_coupled(probs_from_logits(logits), draft, noise)

@@ -317,3 +317,19 @@ def test_bad_inputs_raise():
         process_logits(torch.zeros(2, 5, dtype=torch.long), meta_for(params))
     with pytest.raises(ValueError, match="out of range"):
         process_logits(torch.zeros(1, 5), meta_for([SamplingParams(repetition_penalty=1.2)], prompt_ids=[[7]]))
+
+
+def test_greedy_ids_break_ties_as_argmax():
+    """greedy_ids (max(dim).indices, faster on CPU) returns argmax's first index of the maximum,
+    including ties, -inf rows with one finite entry and bf16 logits."""
+    from mixserve.engine.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 1000), generator=g).float()  # many exact ties
+    assert torch.equal(greedy_ids(x), x.argmax(-1))
+    y = torch.full((3, 500), float("-inf"))
+    y[:, 7] = y[:, 300] = 0.0
+    assert greedy_ids(y).tolist() == [7, 7, 7]
+    z = torch.randn(5, 151936, generator=g).to(torch.bfloat16)
+    assert torch.equal(greedy_ids(z), z.argmax(-1))
+    assert int(greedy_ids(torch.tensor([1.0, 3.0, 3.0]))) == 1
