@@ -65,6 +65,15 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor
     bias: torch.Tensor
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """bias as SDPA's additive mask [rows, 1, 1, L] in `dtype`, made once per step (every
+        layer attends with the same mask)."""
+        m = self._masks.get(dtype)
+        if m is None:
+            m = self._masks[dtype] = self.bias[:, None, None, :].to(dtype)
+        return m
 
 
 def paged_attention(
@@ -101,8 +110,10 @@ def paged_attention(
         for g in meta.decode_groups:
             kd = k_cache[g.block_tables].flatten(1, 2)  # [rows, max_blocks * block_size, kvh, d]
             vd = v_cache[g.block_tables].flatten(1, 2)
-            attend = _decode_attention if decode == "bmm" else _decode_sdpa
-            out[g.start:g.end] = attend(q[g.start:g.end], kd, vd, g.bias, scale)
+            if decode == "bmm":
+                out[g.start:g.end] = _decode_attention(q[g.start:g.end], kd, vd, g.bias, scale)
+            else:
+                out[g.start:g.end] = _decode_sdpa(q[g.start:g.end], kd, vd, g.sdpa_mask(q.dtype), scale)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
         if span.gather is None:
@@ -120,10 +131,11 @@ def paged_attention(
     return out
 
 
-def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
-    """`_decode_attention` through PyTorch's fused SDPA (GQA-aware, additive float mask)."""
+def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """`_decode_attention` through PyTorch's fused SDPA (GQA-aware); mask: additive
+    [B, 1, 1, L] in q's dtype (DecodeGroup.sdpa_mask)."""
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=bias[:, None, None, :].to(q.dtype), scale=scale, enable_gqa=True)
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
 
 
@@ -159,7 +171,10 @@ def decode_candidates(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
         bias[:, context - context // 8:] = float("-inf")  # padding, as a group's shorter rows have
         shapes.append((q, k, v, bias))
 
-    def timer(fn):
-        return lambda: geomean(time_calls([a], lambda a: fn(*a, head_dim ** -0.5)) for a in shapes)
+    def timer(fn, as_mask):
+        def call(a):
+            q, k, v, bias = a
+            return fn(q, k, v, bias[:, None, None, :].to(dtype) if as_mask else bias, head_dim ** -0.5)
+        return lambda: geomean(time_calls([a], call) for a in shapes)
 
-    return {"sdpa": timer(_decode_sdpa), "bmm": timer(_decode_attention)}
+    return {"sdpa": timer(_decode_sdpa, True), "bmm": timer(_decode_attention, False)}
