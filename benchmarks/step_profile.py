@@ -98,7 +98,8 @@ class Probe:
         self.wrap(m, "forward", "forward")
         self.wrap(m.lm_head, "forward", "lm_head")
         self.wrap(llama, "paged_attention", "attention")  # the name DecoderLayer.forward calls
-        self.wrap(m.rope, "forward", "rope")
+        # RoPE: per layer `rotate` since the decode work (one table lookup per step), `forward` before
+        self.wrap(m.rope, "rotate" if hasattr(m.rope, "rotate") else "forward", "rope")
         self.wrap(m.norm, "forward", "norm")
         for layer in m.layers:
             for name, mod in (("qkv", layer.qkv_proj), ("o", layer.o_proj), ("gate_up", layer.gate_up_proj),

@@ -6,6 +6,8 @@ fall back to eager PyTorch ops.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 
@@ -15,25 +17,35 @@ from mixserve.env import cache_root, cpu_model
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
+_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
 def build_extension(name: str, source: str, functions: list[str]):
     """The compiled module `name` (its C++ `source` exporting `functions`), or None where it cannot
-    be built. The build folder is keyed by CPU model too, since -march=native code is not portable."""
+    be built. The build folder is keyed by CPU model (-march=native code is not portable) and by a
+    hash of the source, so a process after the first imports the built library directly instead
+    of asking load_inline, which spends ~20 s re-checking the build every time."""
     if name in _built:
         return _built[name]
     mod = None
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
+        cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48]
+        digest = hashlib.sha256((source + repr(functions) + repr(_FLAGS)).encode()).hexdigest()[:12]
+        build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{name}-{digest}"
+        so = build / f"{name}.so"
         try:
-            from torch.utils.cpp_extension import load_inline
+            if so.exists():
+                spec = importlib.util.spec_from_file_location(name, so)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            else:
+                from torch.utils.cpp_extension import load_inline
 
-            cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48]
-            build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu
-            build.mkdir(parents=True, exist_ok=True)
-            mod = load_inline(name, cpp_sources=source, functions=functions,
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                              build_directory=str(build), verbose=False)
+                build.mkdir(parents=True, exist_ok=True)
+                mod = load_inline(name, cpp_sources=source, functions=functions, extra_cflags=list(_FLAGS),
+                                  extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
+            mod = None
     _built[name] = mod
     return mod

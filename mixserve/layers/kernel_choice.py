@@ -219,17 +219,24 @@ def rotating_copies(make: Callable[[], object], nbytes: int, max_copies: int = 5
 
 
 def time_calls(copies: list, call: Callable[[object], object], min_passes: int = 3,
-               min_seconds: float = 0.05) -> float:
-    """Median seconds per `call(copy)` over passes that each cycle once through `copies`."""
-    for c in copies[:2]:
-        call(c)
+               min_seconds: float = 0.05, budget: float = 0.3) -> float:
+    """Median seconds per `call(copy)` over passes that each cycle once through `copies`.
+
+    A call that is slow enough to be compute-bound (a 512-row GEMM) gains nothing from rotation,
+    so passes use only as many copies (at least 2) as keep min_passes of them within `budget`
+    seconds: a kernel choice on a new machine stays a matter of seconds, not minutes."""
+    call(copies[0])  # the first call of a shape may build a oneDNN primitive: not timed
+    t0 = time.perf_counter()
+    call(copies[1 % len(copies)])
+    first = time.perf_counter() - t0
+    use = copies[:max(2, min(len(copies), int(budget / (min_passes * max(first, 1e-9)))))]
     per_pass = []
     t_end = time.perf_counter() + min_seconds
     while (len(per_pass) < min_passes or time.perf_counter() < t_end) and len(per_pass) < 50:
         t0 = time.perf_counter()
-        for c in copies:
+        for c in use:
             call(c)
-        per_pass.append((time.perf_counter() - t0) / len(copies))
+        per_pass.append((time.perf_counter() - t0) / len(use))
     per_pass.sort()
     return per_pass[len(per_pass) // 2]
 

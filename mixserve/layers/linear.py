@@ -233,13 +233,20 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
                 setattr(m, name, getattr(base, name).clone())
             return m
         mods = rotating_copies(make, out_features * in_features // 2)
+        dense_ahead = 0
         for r in INT4_ROWS:
             x = torch.randn(r, in_features).to(dtype)
             res = []
             for dense_rows in (None, 0):
+                if dense_rows is None and dense_ahead >= 2:
+                    # the dense path won at two row counts in a row: more rows only widen its lead,
+                    # and the int4 kernel at many rows can take seconds a call (float32)
+                    res.append(float("inf"))
+                    continue
                 for m in mods:
                     m.dense_rows = dense_rows
                 res.append(time_calls(mods, lambda m: m(x)))
+            dense_ahead = dense_ahead + 1 if res[1] < res[0] else 0
             timed[r] = (res[0], res[1])
         return timed
 
