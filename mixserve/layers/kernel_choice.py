@@ -137,7 +137,12 @@ class KernelChooser:
     def __init__(self, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
                  machine: str | None = None):
         self.path = Path(path) if path is not None else default_cache_path()
-        self.overrides = parse_overrides(os.environ.get("MIXSERVE_KERNELS", "")) if overrides is None else overrides
+        if overrides is None:
+            try:
+                overrides = parse_overrides(os.environ.get("MIXSERVE_KERNELS", ""))
+            except ValueError as e:
+                raise ValueError(f"MIXSERVE_KERNELS (environment): {e}") from None
+        self.overrides = overrides
         self.machine = machine or f"{cpu_model()} | torch {torch.__version__}"
         self.choices: dict[str, Choice] = {}
 

@@ -90,6 +90,9 @@ def test_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXSERVE_KERNELS", "decode_attention=bmm")
     c = KernelChooser(tmp_path / "c.json", machine="m")
     assert c.choose("decode_attention/bf16/1x1x1", {"sdpa": lambda: 1.0, "bmm": lambda: 2.0}, "sdpa") == "bmm"
+    monkeypatch.setenv("MIXSERVE_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="MIXSERVE_KERNELS .environment.: kernels: 'fastest' is not KEY=NAME"):
+        KernelChooser(tmp_path / "c.json", machine="m")
 
 
 def test_amx_only_where_the_permission_request_succeeds(monkeypatch):
