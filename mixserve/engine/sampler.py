@@ -266,9 +266,9 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (the first index of the largest value, as torch.argmax), int64.
 
-    Through `max(dim).indices`: on the project's CPUs PyTorch's argmax kernel takes 11.7 ms for
-    64 rows of a 152k vocabulary where max takes 3.2 ms (2 threads); a step's greedy sampling
-    of a large batch was mostly this.
+    Through `max(dim).indices`: on the Intel Xeon kind PyTorch's CPU argmax kernel was several times
+    slower than max over 64 rows of a 152k vocabulary (2 threads); greedy sampling at 64 rows fell
+    from 12.2 to 6.7 ms per step (benchmarks/step_profile.py, BENCHMARKS.md).
     """
     return x.max(dim=-1).indices
 

@@ -178,3 +178,9 @@ def decode_candidates(num_heads: int, num_kv_heads: int, head_dim: int, dtype: t
         return lambda: geomean(time_calls([a], call) for a in shapes)
 
     return {"sdpa": timer(_decode_sdpa, True), "bmm": timer(_decode_attention, False)}
+
+
+def choose_decode_kernel(chooser, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The decode attention kernel ("sdpa" or "bmm") `chooser` picks for this head layout."""
+    key = f"decode_attention/{str(dtype).removeprefix('torch.')}/{num_heads}x{num_kv_heads}x{head_dim}"
+    return chooser.choose(key, decode_candidates(num_heads, num_kv_heads, head_dim, dtype), "sdpa")

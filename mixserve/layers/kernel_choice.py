@@ -97,7 +97,8 @@ def amx_permitted(cpu_flags: str | None = None, request: Callable[[], bool] | No
 
 def parse_overrides(text: str) -> dict[str, str]:
     """'dense_linear=plain,decode_attention=bmm' -> {key prefix: candidate}; 'eager' -> EAGER.
-    Raises ValueError on an entry without '='."""
+    Raises ValueError on an entry without '=', an empty name, or a key of no known choice (a
+    typo would otherwise be ignored silently)."""
     out: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         if part == "eager":
@@ -105,8 +106,11 @@ def parse_overrides(text: str) -> dict[str, str]:
             continue
         if "=" not in part:
             raise ValueError(f"kernels: {part!r} is not KEY=NAME (e.g. dense_linear=plain) or 'eager'")
-        k, v = part.split("=", 1)
-        out[k.strip()] = v.strip()
+        k, v = (x.strip() for x in part.split("=", 1))
+        if k.split("/")[0] not in EAGER or not v:
+            raise ValueError(f"kernels: {part!r}: the key must start with one of {', '.join(EAGER)} and name a "
+                             "kernel (e.g. dense_linear=plain)")
+        out[k] = v
     return out
 
 

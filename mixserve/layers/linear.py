@@ -140,7 +140,8 @@ class Int4Linear(nn.Module):
     zero point z becomes zero' = (8 - z) * scale. From `dense_rows` rows (prefill, large batches;
     None: never, the default) the weight is dequantized for the call and the ordinary dense GEMM
     runs, where that beats the int4 kernel: where it does is measured per machine
-    (`int4_candidates`, layers/kernel_choice.py). Only the packed integers stay resident (0.5 byte per weight plus scales).
+    (`int4_candidates`, layers/kernel_choice.py). Only the packed integers stay resident (0.5 byte
+    per weight plus scales).
     Off CPU the dense path is always used (no CUDA int4 kernel is wired yet).
 
     Args:
@@ -255,3 +256,17 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
                                for r, t in measure().items())
 
     return {"never": cost(None), **{str(r): cost(r) for r in INT4_ROWS}}
+
+
+def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
+    """Set `lin` (DenseLinear or Int4Linear) to the kernel `chooser` (kernel_choice.KernelChooser)
+    picks for its shape and `dtype`; the one place that names these choices' keys, so the engine
+    and `hw probe` time and run the same kernels. Other modules are left alone."""
+    dt = str(dtype).removeprefix("torch.")
+    if isinstance(lin, DenseLinear):
+        key = f"dense_linear/{dt}/{lin.out_features}x{lin.in_features}"
+        lin.set_impl(chooser.choose(key, dense_candidates(lin.out_features, lin.in_features, dtype), "plain"))
+    elif isinstance(lin, Int4Linear):
+        key = f"int4_dense_rows/{dt}/{lin.out_features}x{lin.in_features}g{lin.group_size}"
+        pick = chooser.choose(key, int4_candidates(lin.out_features, lin.in_features, lin.group_size, dtype), "never")
+        lin.dense_rows = None if pick == "never" else int(pick)

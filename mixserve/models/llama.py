@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers.attention import AttentionMetadata, decode_candidates, paged_attention
+from mixserve.layers.attention import AttentionMetadata, choose_decode_kernel, paged_attention
 from mixserve.layers.kernel_choice import KernelChooser
-from mixserve.layers.linear import DenseLinear, Int4Linear, dense_candidates, int4_candidates
+from mixserve.layers.linear import DenseLinear, choose_linear_kernel
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
@@ -98,19 +98,10 @@ class LlamaForCausalLM(nn.Module):
         """Set every linear's and the decode attention's kernel to the chooser's pick for this
         model's shapes and dtype (measured once per machine, layers/kernel_choice.py). Until this
         is called the model runs PyTorch's eager kernels."""
-        dt = str(self.dtype).removeprefix("torch.")
         for m in self.modules():
-            if isinstance(m, DenseLinear):
-                key = f"dense_linear/{dt}/{m.out_features}x{m.in_features}"
-                m.set_impl(chooser.choose(key, dense_candidates(m.out_features, m.in_features, self.dtype), "plain"))
-            elif isinstance(m, Int4Linear):
-                key = f"int4_dense_rows/{dt}/{m.out_features}x{m.in_features}g{m.group_size}"
-                pick = chooser.choose(key, int4_candidates(m.out_features, m.in_features, m.group_size, self.dtype),
-                                      "never")
-                m.dense_rows = None if pick == "never" else int(pick)
+            choose_linear_kernel(m, chooser, self.dtype)
         c = self.cfg
-        key = f"decode_attention/{dt}/{c.num_heads}x{c.num_kv_heads}x{c.head_dim}"
-        pick = chooser.choose(key, decode_candidates(c.num_heads, c.num_kv_heads, c.head_dim, self.dtype), "sdpa")
+        pick = choose_decode_kernel(chooser, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
         for layer in self.layers:
             layer.decode_attention = pick
 

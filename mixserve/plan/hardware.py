@@ -67,22 +67,17 @@ def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
 def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser):
     """A linear as the engine would build and run it here: DenseLinear / Int4Linear with the
     kernel `chooser` picks for its shape (layers/kernel_choice.py)."""
-    from mixserve.layers.linear import DenseLinear, Int4Linear, dense_candidates, int4_candidates
+    from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
     g = torch.Generator().manual_seed(0)
-    dt = str(dtype).removeprefix("torch.")
     if fmt == "bf16":
         lin = DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
-        lin.set_impl(chooser.choose(f"dense_linear/{dt}/{out_f}x{in_f}", dense_candidates(out_f, in_f, dtype),
-                                    "plain"))
-        return lin
-    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
-    s = torch.rand(out_f, in_f // group_size, generator=g).half() * 0.01
-    z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
-    lin = Int4Linear(q, s, z, group_size, None, dtype)
-    pick = chooser.choose(f"int4_dense_rows/{dt}/{out_f}x{in_f}g{group_size}",
-                          int4_candidates(out_f, in_f, group_size, dtype), "never")
-    lin.dense_rows = None if pick == "never" else int(pick)
+    else:
+        q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
+        s = torch.rand(out_f, in_f // group_size, generator=g).half() * 0.01
+        z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
+        lin = Int4Linear(q, s, z, group_size, None, dtype)
+    choose_linear_kernel(lin, chooser, dtype)
     return lin
 
 
@@ -207,13 +202,11 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     one layer, with least-squares fits; the decode grid itself is kept for the planner
     (MeasuredModel interpolates it), the decode fit is for reading. Decode rows use the kernel
     the engine chooses here (`chooser`)."""
-    from mixserve.layers.attention import decode_candidates
+    from mixserve.layers.attention import choose_decode_kernel
     from mixserve.layers.kernel_choice import KernelChooser
 
     chooser = chooser or KernelChooser()
-    dt = str(dtype).removeprefix("torch.")
-    decode = chooser.choose(f"decode_attention/{dt}/{cfg.num_heads}x{cfg.num_kv_heads}x{cfg.head_dim}",
-                            decode_candidates(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype), "sdpa")
+    decode = choose_decode_kernel(chooser, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
     dec_pts = []
     rows_grid = DECODE_ATTENTION_ROWS
     ctx_grid = sorted({c for c in DECODE_ATTENTION_CONTEXTS if c < max_context} | {max_context})

@@ -84,6 +84,9 @@ def test_overrides(tmp_path):
     assert parse_overrides("eager") == EAGER
     with pytest.raises(ValueError, match="KEY=NAME"):
         parse_overrides("onednn")
+    for typo in ("dense=onednn", "foo=bar", "=plain", "dense_linear="):
+        with pytest.raises(ValueError, match="must start with one of dense_linear"):
+            parse_overrides(typo)
 
 
 def test_env_override(tmp_path, monkeypatch):
