@@ -112,6 +112,11 @@ class LLMEngine:
             self.proposer = DraftModelProposer(drunner, dbm, self._sampling_metadata)
         if self.proposer is not None:
             self.scheduler.on_free.append(self.proposer.free)
+        t1 = time.perf_counter()
+        self.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+        self.kernel_choice_s += time.perf_counter() - t1
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -152,7 +157,10 @@ class LLMEngine:
                 kind[c.name] = kind.get(c.name, 0) + 1
             how = "/".join(sorted({c.source for c in self.kernels.choices.values()}))
             text += "; kernels (" + how + "): " + ", ".join(
-                f"{k} " + " ".join(f"{n}x{c}" if c > 1 else n for n, c in v.items()) for k, v in picks.items())
+                f"{k} " + " ".join(f"{n} (x{c})" if c > 1 else n for n, c in v.items()) for k, v in picks.items())
+        text += f"; decode graph: {self.runner.graph_choice}"
+        if self.runner.graph is not None and self.runner.graph.compile_s:
+            text += " (first calls " + ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.graph.compile_s.items()) + ")"
         q = getattr(self.model, "quant", None)
         if q is not None:
             text += f"; weights int4 ({q.method}, group {q.group_size})"

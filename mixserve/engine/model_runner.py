@@ -85,16 +85,46 @@ class ModelRunner:
         self.block_size = block_size
         self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype)
         model.bind_kv_cache(self.k_caches, self.v_caches)
+        self.num_blocks = num_blocks
         self.num_forwards = 0
+        self.graph = None  # a DecodeGraph once choose_decode_graph picks it
+        self.graph_choice = "eager"
 
-    def _slot_tensor(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+    def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int) -> str:
+        """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
+        (layers/kernel_choice.py, key `decode_graph/...`) measures it faster than eager steps, or
+        an override says so. Returns "compiled", "eager", or why the graph is unsupported."""
+        from mixserve.engine.decode_graph import DecodeGraph, decode_graph_candidates, graph_supported, max_graph_rows
+
+        why = graph_supported(self.model)
+        rows = max_graph_rows(self.model, max_rows)
+        if why is None and rows < 1:
+            why = "int4 layers leave the graph at every row count"
+        if why is not None:
+            self.graph_choice = f"eager ({why})"
+            return self.graph_choice
+        c = self.cfg
+        q = getattr(self.model, "quant", None)
+        key = (f"decode_graph/{str(self.model.dtype).removeprefix('torch.')}/{c.num_layers}x{c.hidden_size}x"
+               f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/"
+               f"{'dense' if q is None else f'int4g{q.group_size}'}")
+        graph = DecodeGraph(self.model, self.block_size, -(-max_model_len // self.block_size), rows)
+        pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
+        self.graph = graph if pick == "compiled" else None
+        self.graph_choice = pick
+        return pick
+
+    def _slot_tensor(self, table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
-        table = torch.tensor(self.bm.block_table(seq_id), dtype=torch.long)
+        table = torch.tensor(table, dtype=torch.long)
         pos = torch.arange(start, end)
         return table[pos // bs] * bs + pos % bs
 
-    def prepare(self, items: list[BatchItem]) -> PreparedBatch:
+    def prepare(self, items: list[BatchItem], block_table=None) -> PreparedBatch:
+        """The flat batch for `items`; block_table(seq_id) -> its blocks (default: the block
+        manager's)."""
         bs = self.block_size
+        block_table = block_table or self.bm.block_table
         # longest context first, so that groups of similar length form (see DecodeGroup)
         decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
         multi = [it for it in items if it.end - it.start > 1]
@@ -105,26 +135,27 @@ class ModelRunner:
         logit_rows: list[int] = []
         for i, it in enumerate(decode):
             p = it.start
-            table = self.bm.block_table(it.seq_id)
+            table = block_table(it.seq_id)
             ids.append(it.token_ids[p])
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             if it.num_logits:
                 logit_rows.append(i)
         for start, end in decode_group_bounds([it.start + 1 for it in decode]):
-            self._decode_group(meta, decode, start, end)
+            self._decode_group(meta, decode, start, end, block_table)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         for it in multi:
             row0 = len(ids)
             ids.extend(it.token_ids[it.start:it.end])
             pos.extend(range(it.start, it.end))
-            slot_parts.append(self._slot_tensor(it.seq_id, it.start, it.end))
+            table = block_table(it.seq_id)
+            slot_parts.append(self._slot_tensor(table, it.start, it.end))
             if it.start == 0:
                 span = PrefillSpan(row0, len(ids), None, None)
             else:
                 q_pos = torch.arange(it.start, it.end)
                 mask = torch.arange(it.end)[None, :] <= q_pos[:, None]
-                span = PrefillSpan(row0, len(ids), self._slot_tensor(it.seq_id, 0, it.end), mask)
+                span = PrefillSpan(row0, len(ids), self._slot_tensor(table, 0, it.end), mask)
             meta.prefills.append(span)
             logit_rows += range(len(ids) - it.num_logits, len(ids))
         meta.slot_mapping = torch.cat(slot_parts)
@@ -136,16 +167,17 @@ class ModelRunner:
             items=[it for it in decode + multi if it.num_logits],
         )
 
-    def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int) -> None:
+    def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int,
+                      block_table) -> None:
         bs = self.block_size
         # only the blocks that hold context: a table may reach further (a contiguous region)
-        tables = [self.bm.block_table(it.seq_id)[:it.start // bs + 1] for it in decode[start:end]]
+        tables = [block_table(it.seq_id)[:it.start // bs + 1] for it in decode[start:end]]
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         ctx = torch.tensor([it.start + 1 for it in decode[start:end]])
         ar = torch.arange(max_blocks * bs)
         bias = torch.zeros(end - start, max_blocks * bs).masked_fill_(ar[None, :] >= ctx[:, None], float("-inf"))
-        meta.decode_groups.append(DecodeGroup(start, end, bt, bias))
+        meta.decode_groups.append(DecodeGroup(start, end, bt, bias, ctx))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate K/V of src blocks into dst blocks in every layer."""
@@ -161,7 +193,14 @@ class ModelRunner:
         """Run one forward pass over `items`. Returns (float32 logits [N, vocab], the items that
         own them, in row order: each owns its num_logits consecutive rows)."""
         self.copy_blocks(list(copies))
-        batch = self.prepare(items)
+        if self.graph is not None and self.graph.accepts(items):
+            self.num_forwards += 1
+            return self.graph.run(items, self.bm.block_table), list(items)
+        return self.run_eager(items)
+
+    def run_eager(self, items: list[BatchItem], block_table=None) -> tuple[torch.Tensor, list[BatchItem]]:
+        """`run` on the eager path (the reference), whatever the batch."""
+        batch = self.prepare(items, block_table)
         logits = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices)
         self.num_forwards += 1
         return logits, batch.items

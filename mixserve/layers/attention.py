@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mixserve.layers.paged_decode import available as paged_available, paged_decode
+
 
 @dataclass
 class PrefillSpan:
@@ -57,6 +59,7 @@ class DecodeGroup:
         (whole blocks are gathered: 1/block_size as many indices as slots).
     bias: float32 [rows, max_blocks * block_size], 0 for real context positions, -inf for
         padding and the unwritten tail of the last block.
+    context_lens: int64 [rows], each row's context in tokens (the "paged" kernel reads only these).
     Rows are grouped by context length so that a short context is not padded to the longest one
     in a large batch.
     """
@@ -65,6 +68,7 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor
     bias: torch.Tensor
+    context_lens: torch.Tensor
     _masks: dict = field(default_factory=dict, repr=False)
 
     def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -93,8 +97,10 @@ def paged_attention(
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], updated in place.
         meta: the step's AttentionMetadata.
         scale: softmax scale, usually head_dim ** -0.5.
-        decode: decode-row kernel, "sdpa" (PyTorch's fused kernel, the eager default) or "bmm"
-            (`_decode_attention`); chosen per machine by `decode_candidates`.
+        decode: decode-row kernel, "sdpa" (PyTorch's fused kernel over the gathered context, the
+            eager default), "bmm" (`_decode_attention`, batched matmuls over it) or "paged"
+            (layers/paged_decode.py, reading the cache through the block table in place); chosen
+            per machine by `decode_candidates`.
     Returns:
         [T, num_heads, head_dim].
     """
@@ -108,6 +114,10 @@ def paged_attention(
     nd = meta.num_decode
     if nd:
         for g in meta.decode_groups:
+            if decode == "paged":
+                out[g.start:g.end] = paged_decode(q[g.start:g.end], k_cache, v_cache, g.block_tables,
+                                                  g.context_lens, scale)
+                continue
             kd = k_cache[g.block_tables].flatten(1, 2)  # [rows, max_blocks * block_size, kvh, d]
             vd = v_cache[g.block_tables].flatten(1, 2)
             if decode == "bmm":
@@ -157,30 +167,42 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
 
 
 def decode_candidates(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      context: int = 512) -> dict:
-    """Timers for kernel_choice's `decode_attention` choice: seconds per call of "sdpa" and "bmm",
-    the geometric mean over 1 and 16 rows of `context` tokens (K/V as gathered from the cache)."""
+                      context: int = 512, block_size: int = 16) -> dict:
+    """Timers for kernel_choice's `decode_attention` choice: seconds per call of "sdpa", "bmm" and
+    (where it builds) "paged", the geometric mean over 1 and 16 rows of up to `context` tokens
+    (the shorter rows padded, as a group's are), each timed from the paged cache: the gather of
+    the blocks is part of what "sdpa" and "bmm" cost."""
     from mixserve.layers.kernel_choice import geomean, time_calls
 
+    blocks = context // block_size
     shapes = []
     for rows in (1, 16):
+        nb = rows * blocks + 1
+        kc = torch.randn(nb, block_size, num_kv_heads, head_dim).to(dtype)
+        vc = torch.randn(nb, block_size, num_kv_heads, head_dim).to(dtype)
+        tables = torch.randperm(nb - 1)[:rows * blocks].view(rows, blocks) + 1  # scattered blocks
+        lens = torch.full((rows,), context)
+        lens[rows // 2:] = context - context // 8  # padding, as a group's shorter rows have
+        bias = torch.zeros(rows, context).masked_fill_(torch.arange(context)[None, :] >= lens[:, None],
+                                                       float("-inf"))
         q = torch.randn(rows, num_heads, head_dim).to(dtype)
-        k = torch.randn(rows, context, num_kv_heads, head_dim).to(dtype)
-        v = torch.randn(rows, context, num_kv_heads, head_dim).to(dtype)
-        bias = torch.zeros(rows, context)
-        bias[:, context - context // 8:] = float("-inf")  # padding, as a group's shorter rows have
-        shapes.append((q, k, v, bias))
+        shapes.append((q, kc, vc, tables, lens, bias))
+    scale = head_dim ** -0.5
 
-    def timer(fn, as_mask):
+    def gathered(fn, as_mask):
         def call(a):
-            q, k, v, bias = a
-            return fn(q, k, v, bias[:, None, None, :].to(dtype) if as_mask else bias, head_dim ** -0.5)
+            q, kc, vc, tables, lens, bias = a
+            m = bias[:, None, None, :].to(dtype) if as_mask else bias
+            return fn(q, kc[tables].flatten(1, 2), vc[tables].flatten(1, 2), m, scale)
         return lambda: geomean(time_calls([a], call) for a in shapes)
 
-    return {"sdpa": timer(_decode_sdpa, True), "bmm": timer(_decode_attention, False)}
+    cands = {"sdpa": gathered(_decode_sdpa, True), "bmm": gathered(_decode_attention, False)}
+    if dtype in (torch.float32, torch.bfloat16) and paged_available():
+        cands["paged"] = lambda: geomean(time_calls([a], lambda a: paged_decode(*a[:5], scale)) for a in shapes)
+    return cands
 
 
 def choose_decode_kernel(chooser, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
-    """The decode attention kernel ("sdpa" or "bmm") `chooser` picks for this head layout."""
+    """The decode attention kernel ("sdpa", "bmm" or "paged") `chooser` picks for this head layout."""
     key = f"decode_attention/{str(dtype).removeprefix('torch.')}/{num_heads}x{num_kv_heads}x{head_dim}"
     return chooser.choose(key, decode_candidates(num_heads, num_kv_heads, head_dim, dtype), "sdpa")

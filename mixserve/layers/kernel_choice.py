@@ -7,10 +7,13 @@ candidates on the model's own shapes, made once per CPU model and torch version 
 
 - `dense_linear/<dtype>/<out>x<in>`: "plain" (F.linear) or "onednn" (weight prepacked once into
   oneDNN's blocked layout), timed at 1, 16 and 128 rows;
-- `decode_attention/<dtype>/<heads>x<kv_heads>x<head_dim>`: "sdpa" (PyTorch's fused kernel) or
-  "bmm" (layers/attention.py `_decode_attention`), at 1 and 16 rows of 512 context;
+- `decode_attention/<dtype>/<heads>x<kv_heads>x<head_dim>`: "sdpa" (PyTorch's fused kernel),
+  "bmm" (layers/attention.py `_decode_attention`), both over the gathered context, or "paged"
+  (layers/paged_decode.py, the block table read in place), at 1 and 16 rows of 512 context;
 - `int4_dense_rows/<dtype>/<out>x<in>`: the row count from which dequantize + dense GEMM beats
-  PyTorch's int4 kernel ("never": the int4 kernel at every row count).
+  PyTorch's int4 kernel ("never": the int4 kernel at every row count);
+- `decode_graph/<dtype>/<model shape>/<weights>`: "eager" steps or the "compiled" decode graph
+  (engine/decode_graph.py), timed as whole decode steps of the model at 1 and 8 rows.
 
 Weights are timed on rotating copies whose total exceeds the last-level cache (`llc_bytes`), as a
 decode step streams every weight once: a cache-hot timing flatters whichever kernel reads more
@@ -40,7 +43,7 @@ log = logging.getLogger("mixserve")
 
 CACHE_VERSION = 1
 MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
-EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_dense_rows": "never"}
+EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_dense_rows": "never", "decode_graph": "eager"}
 
 
 def llc_bytes() -> int:

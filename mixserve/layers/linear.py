@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers import bf16_gemv
+from mixserve.layers import bf16_gemv, graph_ops
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
@@ -55,6 +55,7 @@ class DenseLinear(nn.Module):
         elif impl == "onednn" and _can_prepack(self.weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), batch_size=1)
+                graph_ops.available()  # registers the op a captured decode graph calls it through
                 self.weight, self.impl = None, "onednn"
             except RuntimeError:
                 self.packed = None
@@ -65,6 +66,8 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if torch.compiler.is_compiling():  # Inductor cannot lower oneDNN's op on our own packed weight
+                return graph_ops.onednn_linear(x, self.packed, self.bias, self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.impl == "gemv" and x.dim() == 2 and x.shape[0] <= bf16_gemv.MAX_ROWS and x.dtype == torch.bfloat16:
             return bf16_gemv.gemv(x, self.weight, self.bias)

@@ -14,6 +14,7 @@ from torch import nn
 from mixserve.layers.attention import AttentionMetadata, choose_decode_kernel, paged_attention
 from mixserve.layers.kernel_choice import KernelChooser
 from mixserve.layers.linear import DenseLinear, choose_linear_kernel
+from mixserve.layers.paged_decode import paged_decode_attention
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
@@ -40,8 +41,10 @@ class DecoderLayer(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x, rope_tables: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                rope: RotaryEmbedding):
+    def forward(self, x, rope_tables: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata | tuple[torch.Tensor, torch.Tensor, torch.Tensor], rope: RotaryEmbedding):
+        """meta: the step's AttentionMetadata, or for a decode-only step (LlamaForCausalLM.decode)
+        (slot_mapping, block_tables, context_lens) for the paged kernel."""
         cfg = self.cfg
         T = x.shape[0]
         h = self.input_layernorm(x)
@@ -50,7 +53,10 @@ class DecoderLayer(nn.Module):
         qk = rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), *rope_tables)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
+        if isinstance(meta, AttentionMetadata):
+            a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
+        else:
+            a = paged_decode_attention(q, k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, *meta, self.scale)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -121,3 +127,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, tables, meta, self.rope)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    @torch.inference_mode()
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """A decode-only step, one token per row, every row sampled: the form the decode graph
+        captures (engine/decode_graph.py), with attention through the paged kernel
+        (layers/paged_decode.py). input_ids, positions, slot_mapping, context_lens: int64 [B];
+        block_tables: int64 [B, max_blocks]. Returns float32 logits [B, vocab_size]."""
+        x = self.embed_tokens(input_ids)
+        tables = self.rope.tables(positions)
+        meta = (slot_mapping, block_tables, context_lens)
+        for layer in self.layers:
+            x = layer(x, tables, meta, self.rope)
+        return self.lm_head(self.norm(x)).float()

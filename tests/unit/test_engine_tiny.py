@@ -60,6 +60,14 @@ def check_all(outs, reference):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+# the eager reference path, and the fast path: paged decode kernel, decode steps in the compiled graph
+KERNELS = ["eager", "decode_attention=paged,decode_graph=compiled"]
+
+
+def graph_ran(llm, kernels) -> bool:
+    """True when the fast path was asked for and its graph really ran steps (or eager was asked)."""
+    g = llm.engine.runner.graph
+    return kernels == "eager" and g is None or g is not None and g.num_steps > 0
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
@@ -75,40 +83,48 @@ def test_greedy_matches_hf(tmp_path, arch, tie):
         assert len(o.token_ids) == 64 and o.finish_reason == "length"
 
 
-def test_shuffled_blocks_same_output(tiny, reference):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_shuffled_blocks_same_output(tiny, reference, kernels):
     folder, _ = tiny
-    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", shuffle_blocks_seed=123, block_size=4, progress=False)
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", shuffle_blocks_seed=123, block_size=4, progress=False,
+              kernels=kernels)
     bm = llm.engine.block_manager
     # the free list really is scrambled: the blocks handed out are not 0, 1, 2, ...
     assert list(bm.free_blocks)[:8] != list(range(8))
     outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
     check_all(outs, reference)
     assert bm.num_free_blocks == bm.num_blocks
+    assert graph_ran(llm, kernels)
 
 
-def test_preemption_loses_nothing(tiny, reference):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_preemption_loses_nothing(tiny, reference, kernels):
     folder, _ = tiny
     # 6 requests of up to 104 tokens each with 4-token blocks: ~160 blocks wanted, 60 available.
     from mixserve.models.config import ModelConfig
 
     cfg = ModelConfig.from_folder(folder)
     block_bytes = 4 * cfg.kv_bytes_per_token(4)
-    llm = LLM(folder, dtype="float32", kv_cache_memory=60 * block_bytes, block_size=4, progress=False)
+    llm = LLM(folder, dtype="float32", kv_cache_memory=60 * block_bytes, block_size=4, progress=False,
+              kernels=kernels)
     assert llm.engine.num_blocks == 60
     outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
     check_all(outs, reference)
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics["num_preemptions"] for o in outs) == llm.engine.scheduler.num_preemptions
     assert llm.engine.block_manager.num_free_blocks == 60
+    assert graph_ran(llm, kernels)
 
 
-def test_chunked_prefill_same_output(tiny, reference):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_chunked_prefill_same_output(tiny, reference, kernels):
     folder, _ = tiny
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=7, block_size=4,
-              progress=False)
+              progress=False, kernels=kernels)
     outs = llm.generate([reference[i][0] for i in range(6)], GREEDY)
     check_all(outs, reference)
     assert max(len(reference[i][0]) for i in range(6)) > 7
+    assert graph_ran(llm, kernels)
 
 
 def test_batch_equals_alone(tiny, reference):

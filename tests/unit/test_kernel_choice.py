@@ -145,7 +145,8 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("kc"), "qwen2", tie=True)
 
 
-FAST = ["dense_linear=onednn,decode_attention=bmm", "dense_linear=plain,decode_attention=sdpa"]
+FAST = ["dense_linear=onednn,decode_attention=bmm", "dense_linear=plain,decode_attention=sdpa",
+        "decode_attention=paged,decode_graph=compiled"]
 
 
 @pytest.mark.parametrize("kernels", FAST)
@@ -161,6 +162,9 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
     fast = LLM(folder, kernels=kernels + (",int4_dense_rows=4" if quant else ""), **common)
     if quant:
         assert any(getattr(m, "dense_rows", None) == 4 for m in fast.engine.model.modules())
+    graph = fast.engine.runner.graph
+    if "decode_graph=compiled" in kernels:  # with int4 layers switching at 4 rows, up to 3 rows are captured
+        assert graph is not None and graph.max_rows == (3 if quant else 256)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for n in (1, 3, 5, 11):
         ps = prompts(n, seed=n)
@@ -173,14 +177,15 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
                 logits = engine_logits_along(ref, x.prompt_token_ids, x.token_ids)
                 c = compare_greedy(y.token_ids, x.token_ids, logits)
                 assert c.ok, f"batch {n}: diverged at {c.position} (gap {c.gap})"
-
+    if graph is not None:
+        assert set(graph.compile_s) == {"1 row", "2+ rows"} and graph.num_steps > 0
 
 def test_engine_describes_its_kernels(tiny):
     folder, _ = tiny
     llm = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False,
               kernels="dense_linear=onednn,decode_attention=bmm")
     text = llm.engine.describe()
-    assert "kernels (override)" in text and "dense_linear onednn" in text and "decode_attention bmm" in text
+    assert "override" in text and "dense_linear onednn" in text and "decode_attention bmm" in text
     assert all(getattr(m, "impl", "onednn") == "onednn" for m in llm.engine.model.modules())
     assert all(layer.decode_attention == "bmm" for layer in llm.engine.model.layers)
     with pytest.raises(ValueError, match="KEY=NAME"):
@@ -203,3 +208,33 @@ def test_dense_kernels_agree(impl):
         torch.testing.assert_close(lin(x).float(), ref, atol=0.05, rtol=0.02)
     lin.set_impl("plain")
     assert torch.equal(lin.dense_weight(), w)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,block", [(4, 2, 8), (6, 6, 16), (8, 1, 4)])
+def test_paged_decode_equals_gathered_attention(dtype, tol, heads, kv_heads, block):
+    """The paged kernel, reading K/V through scattered block tables, against float32 attention
+    over the gathered context; rows of different lengths, including one token and a full last
+    block."""
+    from mixserve.layers.attention import _decode_sdpa
+    from mixserve.layers.paged_decode import available, paged_decode
+
+    if not available():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(heads * 10 + block)
+    d, nb = 16, 64
+    kc = torch.randn(nb, block, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(nb, block, kv_heads, d, generator=g).to(dtype)
+    lens = torch.tensor([1, block, 3 * block + 1, 5 * block])
+    m = 5
+    tables = torch.randperm(nb, generator=g)[:len(lens) * m].view(len(lens), m)
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    out = paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    bias = torch.zeros(len(lens), m * block).masked_fill_(torch.arange(m * block)[None] >= lens[:, None],
+                                                          float("-inf"))
+    ref = _decode_sdpa(q.float(), kc[tables].flatten(1, 2).float(), vc[tables].flatten(1, 2).float(),
+                       bias[:, None, None, :], d ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="shapes"):
+        paged_decode(q[..., :8], kc, vc, tables, lens, 1.0)

@@ -4,7 +4,7 @@ import torch
 
 from mixserve import SamplingParams
 from mixserve.llm import LLM
-from tests.unit.test_engine_tiny import make_tiny, prompts
+from tests.unit.test_engine_tiny import KERNELS, make_tiny, prompts
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +20,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def plain_outputs(target, ps):
-    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager")
     return [o.token_ids for o in llm.generate(ps, GREEDY)]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_spec_equals_plain(pair, k):
+@pytest.mark.parametrize("k,kernels", [(1, KERNELS[0]), (3, KERNELS[0]), (3, KERNELS[1])])
+def test_greedy_spec_equals_plain(pair, k, kernels):
+    """Speculative output equals plain greedy output, eager and on the fast path (the draft's
+    decode steps in its compiled graph)."""
     target, draft = pair
     ps = prompts(5, seed=3)
     ref = plain_outputs(target, ps)
     llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", draft_model=draft, num_speculative_tokens=k,
-              speculation="fixed", progress=False)
+              speculation="fixed", progress=False, kernels=kernels)
     batch = llm.generate(ps, GREEDY)
     assert [o.token_ids for o in batch] == ref
     alone = llm.generate([ps[0]], GREEDY)[0]
@@ -43,6 +45,8 @@ def test_greedy_spec_equals_plain(pair, k):
     assert eng.block_manager.num_free_blocks == eng.num_blocks
     assert eng.proposer.bm.num_free_blocks == eng.num_blocks
     assert not eng.proposer.computed
+    if kernels != "eager":
+        assert eng.proposer.runner.graph is not None and eng.proposer.runner.graph.num_steps > 0
 
 
 def test_self_draft_accepts_everything(pair):
@@ -57,7 +61,8 @@ def test_self_draft_accepts_everything(pair):
         assert m["spec_steps"] <= 10
 
 
-def test_spec_with_preemption_and_chunking(pair):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_spec_with_preemption_and_chunking(pair, kernels):
     target, draft = pair
     from mixserve.models.config import ModelConfig
 
@@ -66,7 +71,8 @@ def test_spec_with_preemption_and_chunking(pair):
     t, d = ModelConfig.from_folder(target), ModelConfig.from_folder(draft)
     per_block = 4 * (t.kv_bytes_per_token(4) + d.kv_bytes_per_token(4))
     llm = LLM(target, dtype="float32", kv_cache_memory=50 * per_block, block_size=4, draft_model=draft,
-              num_speculative_tokens=3, speculation="fixed", max_num_batched_tokens=16, progress=False)
+              num_speculative_tokens=3, speculation="fixed", max_num_batched_tokens=16, progress=False,
+              kernels=kernels)
     outs = llm.generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == ref
     assert llm.engine.scheduler.num_preemptions > 0

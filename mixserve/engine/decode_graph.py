@@ -1,0 +1,176 @@
+"""The decode step captured once as a compiled graph, so a step is the weights' reading and little else.
+
+An eager decode step of the 0.5B runs ~1,080 small torch ops (norms, RoPE, residual adds, SiLU,
+KV writes, attention's gather) at a few microseconds each: 8 ms per step beside ~45 ms of weight
+reading at one row (BENCHMARKS.md, issue 14). Here `LlamaForCausalLM.decode` is compiled by
+torch.compile (Inductor, C++ codegen): the elementwise work fuses into a few C++ loops per layer,
+the linears stay our chosen kernels (oneDNN's through `layers/graph_ops.py`, int4 through
+PyTorch's op) and attention is one op per layer (`layers/paged_decode.py`: the KV write and the
+paged kernel). Shapes are dynamic in the row count, so one graph serves every batch of 2+ rows and
+one (size-1 specialised) the single stream; the batch's tensors are written into persistent
+buffers, not rebuilt per step.
+
+Only decode-only steps whose every row samples one token are run here: prefill chunks,
+speculative verification and batches past `max_rows` take the eager path, which stays the
+reference (`--enforce-eager`). Whether the graph runs at all is a measured choice per machine
+(`decode_graph` in layers/kernel_choice.py): compiled against eager steps of this model.
+Inductor's compiled code is cached under `<cache root>/inductor` (unless TORCHINDUCTOR_CACHE_DIR
+says otherwise), so only a machine's first start pays the compile (stated by `describe`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+import types
+
+import torch
+
+from mixserve.env import cache_root
+
+log = logging.getLogger("mixserve")
+
+
+def graph_supported(model) -> str | None:
+    """None when `model` can run the captured decode step, else why not."""
+    from mixserve.layers.paged_decode import available
+
+    if not hasattr(model, "decode"):
+        return "the model has no decode-only forward"
+    if not available():
+        return "the paged decode kernel did not build (no C++ compiler?)"
+    if getattr(model, "dtype", None) not in (torch.float32, torch.bfloat16):
+        return "only float32 and bfloat16 are captured"
+    return None
+
+
+def max_graph_rows(model, limit: int) -> int:
+    """The most rows a captured step takes: below every int4 layer's switch to dequantize + GEMM
+    (that path leaves the graph) and at most `limit` (the engine's max_num_seqs)."""
+    rows = limit
+    for m in model.modules():
+        d = getattr(m, "dense_rows", None)
+        if d is not None:
+            rows = min(rows, d - 1)
+    return max(rows, 0)
+
+
+def _weight_guards_dropped(entries) -> list[bool]:
+    """Dynamo's guards without those on the model's weights: checking every weight tensor on every
+    call cost ~0.8 ms a step for the 0.5B, and the weights do not change once the kernels are
+    chosen, which is before a graph is made. Guards on the inputs, the shapes and the KV caches
+    (rebound when another engine shares the model) stay."""
+    return [not (e.guard_type == "TENSOR_MATCH" and e.name.startswith("L['self']") and "_cache" not in e.name)
+            for e in entries]
+
+
+def _own_code(method):
+    """`method` rebound over a copy of its code object. Dynamo keeps compiled graphs per code
+    object, and these graphs keep no guards: without a copy each, a second model in the process
+    (a draft model) or the other row-count graph would run the first graph made."""
+    f = method.__func__
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(g, method.__self__)
+
+
+class DecodeGraph:
+    """A compiled `model.decode` with persistent input buffers.
+
+    Args:
+        model: LlamaForCausalLM with bound KV caches.
+        block_size: tokens per KV block; max_blocks: block-table width (max_model_len / block_size).
+        max_rows: the most rows a step may have here (`max_graph_rows`).
+    """
+
+    def __init__(self, model, block_size: int, max_blocks: int, max_rows: int):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        self.model = model
+        self.block_size = block_size
+        self.max_rows = max_rows
+        # one graph for 1 row, one with the row count dynamic (>= 2)
+        opts = {"guard_filter_fn": _weight_guards_dropped}
+        self.fn1 = torch.compile(_own_code(model.decode), dynamic=False, options=opts)
+        self.fn = torch.compile(_own_code(model.decode), dynamic=True, options=opts)
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long)
+        self.positions = torch.zeros(max_rows, dtype=torch.long)
+        self.slots = torch.zeros(max_rows, dtype=torch.long)
+        self.lens = torch.ones(max_rows, dtype=torch.long)
+        self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
+        self.compile_s: dict[str, float] = {}  # first call of each graph ("1 row", "2+ rows"): seconds
+        self.num_steps = 0  # steps run here
+
+    def accepts(self, items) -> bool:
+        """True for a decode-only batch (one new token per row, each sampled) of at most max_rows."""
+        return 0 < len(items) <= self.max_rows and all(it.end - it.start == 1 and it.num_logits == 1
+                                                        for it in items)
+
+    def run(self, items, block_table) -> torch.Tensor:
+        """Float32 logits [len(items), vocab] in `items`' order; block_table(seq_id) -> its blocks."""
+        bs, n = self.block_size, len(items)
+        ids, pos, slots, tables = [], [], [], []
+        width = 1
+        for it in items:
+            p = it.start
+            t = block_table(it.seq_id)
+            ids.append(it.token_ids[p])
+            pos.append(p)
+            slots.append(t[p // bs] * bs + p % bs)
+            t = t[:p // bs + 1]
+            width = max(width, len(t))
+            tables.append(t)
+        self.input_ids[:n] = torch.tensor(ids)
+        self.positions[:n] = torch.tensor(pos)
+        self.slots[:n] = torch.tensor(slots)
+        self.lens[:n] = self.positions[:n] + 1
+        self.tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        which = "1 row" if n == 1 else "2+ rows"
+        t0 = time.perf_counter() if which not in self.compile_s else None
+        with torch.inference_mode():
+            out = (self.fn1 if n == 1 else self.fn)(self.input_ids[:n], self.positions[:n], self.slots[:n],
+                                                    self.tables[:n], self.lens[:n])
+        if t0 is not None:
+            self.compile_s[which] = time.perf_counter() - t0
+        self.num_steps += 1
+        return out
+
+
+def decode_graph_candidates(runner, graph: DecodeGraph, rows=(1, 8), context: int = 128, steps: int = 6) -> dict:
+    """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this
+    runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled").
+    The compiled timer's first calls, which compile, are not timed. Uses the cache's first blocks
+    and zeroes them afterwards (the engine has not admitted a request yet)."""
+    from mixserve.layers.kernel_choice import geomean
+
+    bs = runner.block_size
+    per_row = -(-(context + steps + 3) // bs)
+    rows = [r for r in rows if r <= graph.max_rows and r * per_row <= runner.num_blocks]
+    if not rows:
+        rows = [1]
+        per_row = min(per_row, runner.num_blocks)
+        context = max(1, per_row * bs - steps - 3)
+    tables = {r: [list(range(i * per_row, (i + 1) * per_row)) for i in range(r)] for r in rows}
+
+    def timer(compiled: bool):
+        def run():
+            out = []
+            for r in rows:
+                ts = []
+                for s in range(steps + 2):
+                    # BatchItem's fields (model_runner imports this module)
+                    items = [types.SimpleNamespace(seq_id=i, token_ids=[1] * (context + steps + 2), start=context + s,
+                                                   end=context + s + 1, num_logits=1) for i in range(r)]
+                    t0 = time.perf_counter()
+                    if compiled:
+                        graph.run(items, lambda i: tables[r][i])
+                    else:
+                        runner.run_eager(items, lambda i: tables[r][i])
+                    ts.append(time.perf_counter() - t0)
+                out.append(statistics.median(ts[2:]))
+            for kc, vc in zip(runner.k_caches, runner.v_caches):
+                kc[:per_row * max(rows)].zero_()
+                vc[:per_row * max(rows)].zero_()
+            return geomean(out)
+        return run
+
+    return {"eager": timer(False), "compiled": timer(True)}

@@ -1,0 +1,62 @@
+"""oneDNN's prepacked linear as a dispatcher op a captured graph can call (engine/decode_graph.py).
+
+Inductor lowers `mkldnn._linear_pointwise` only for weights it prepacked itself while freezing a
+graph, and freezing folds every weight into the compiled artifact, so that nothing is reused from
+Inductor's cache by the next process (each start recompiles, ~15 s a graph for the 0.5B). Our
+DenseLinear prepacks its own weight (the "onednn" kernel choice); this op hands that weight to
+oneDNN from C++, opaque to Inductor, so the graph is compiled without freezing, cached across
+processes, and the weight stays one resident copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from mixserve.layers.cpp_build import build_extension
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
+                            int64_t out_features) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
+}
+
+bool loaded() { return true; }
+
+TORCH_LIBRARY_FRAGMENT(mixserve, m) {
+  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("onednn_linear", &onednn_linear); }
+TORCH_LIBRARY_IMPL(mixserve, MkldnnCPU, m) { m.impl("onednn_linear", &onednn_linear); }
+"""
+
+_state = {"loaded": None}
+
+
+def _load() -> bool:
+    if _state["loaded"] is None:
+        ok = build_extension("mixserve_graph_ops_v2", _SRC, ["loaded"]) is not None
+        if ok:
+            torch.library.register_fake("mixserve::onednn_linear")(
+                lambda x, packed, bias, n: x.new_empty(*x.shape[:-1], n))
+        _state["loaded"] = ok
+    return _state["loaded"]
+
+
+def available() -> bool:
+    """True where the op builds (a C++ compiler and PyTorch's headers)."""
+    return _load()
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """y = x @ W^T + b with W prepacked by `torch.ops.mkldnn._reorder_linear_weight`.
+
+    x [..., in] in W's dtype; packed: the oneDNN (opaque) weight; bias [out] or None.
+    Returns [..., out_features]. The caller has checked `available()`."""
+    return torch.ops.mixserve.onednn_linear(x, packed, bias, out_features)

@@ -1,0 +1,177 @@
+"""Decode attention that reads K/V through the block table in place (Kwon et al., SOSP 2023, §4.1,
+the PagedAttention kernel), compiled for the machine at hand.
+
+The eager decode path gathers each row's blocks into a padded [rows, L, kv_heads, d] copy, then
+runs SDPA or batched matmuls on it: at 64 rows that gather and the copy after it were 71 of the
+0.5B's 81 ms of attention per step (BENCHMARKS.md, step profile). This kernel walks each row's
+block table instead: one task per (row, KV head), the KV head's query heads together (grouped-
+query attention reads each K/V row once), scores in float32, softmax, then the V sum in float32,
+rounded to the cache dtype once at the end. Only real context positions are read, so there is no
+padding and no mask.
+
+It is one candidate of the decode-attention choice (`attention.decode_candidates`), used where it
+is measured faster on the machine at hand.
+"""
+from __future__ import annotations
+
+import torch
+
+from mixserve.layers.cpp_build import build_extension
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+template <typename T>
+static inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// q [B, H, d]; caches [NB, bs, Hkv, d]; tables [B, M] int64; lens [B] int64; out [B, H, d]
+template <typename T>
+static void run(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+                int64_t B, int64_t H, int64_t Hkv, int64_t d, int64_t bs, int64_t M, float scale) {
+  const int64_t g = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(g * d), acc(g * d), row(d), s;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / Hkv, kh = t % Hkv, L = lens[b];
+      const int64_t* tab = tables + b * M;
+      for (int64_t j = 0; j < g; ++j) load_row(q + (b * H + kh * g + j) * d, qf.data() + j * d, d);
+      s.assign(g * L, 0.f);
+      for (int64_t p = 0; p < L; ++p) {
+        const int64_t slot = tab[p / bs] * bs + p % bs;
+        load_row(kc + (slot * Hkv + kh) * d, row.data(), d);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qf.data() + j * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += qj[i] * row[i];
+          s[j * L + p] = dot * scale;
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* sj = s.data() + j * L;
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) m = std::max(m, sj[p]);
+        for (int64_t p = 0; p < L; ++p) { sj[p] = std::exp(sj[p] - m); sum += sj[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; ++p) sj[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < L; ++p) {
+        const int64_t slot = tab[p / bs] * bs + p % bs;
+        load_row(vc + (slot * Hkv + kh) * d, row.data(), d);
+        for (int64_t j = 0; j < g; ++j) {
+          const float w = s[j * L + p];
+          float* aj = acc.data() + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) aj[i] += w * row[i];
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        T* o = out + (b * H + kh * g + j) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[j * d + i]);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
+              v_cache.is_contiguous(), "paged_decode: contiguous q [B, H, d] and caches [NB, bs, Hkv, d]");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.is_contiguous(),
+              "paged_decode: int64 block tables and lengths");
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == d && tables.size(0) == B && lens.size(0) == B,
+              "paged_decode: shapes do not agree");
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, Hkv,
+                      d, bs, tables.size(1), (float)scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: float32 or bfloat16");
+    run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, d, bs, tables.size(1), (float)scale);
+  }
+  return out;
+}
+
+// the decode step's whole attention in one op: each row's new k/v written at its slot, then
+// paged_decode; registered with the dispatcher (below) so that a compiled graph calls it
+// without leaving C++ and without a graph break
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
+                                     torch::Tensor lens, double scale) {
+  const int64_t kv = k_cache.size(2), d = k_cache.size(3);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == kv && k.size(2) == d && v.sizes() == k.sizes() && slots.size(0) == k.size(0),
+              "paged_decode_attention: k, v [B, kv_heads, d] and slots [B]");
+  k_cache.view({-1, kv, d}).index_copy_(0, slots, k);
+  v_cache.view({-1, kv, d}).index_copy_(0, slots, v);
+  return paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale);
+}
+
+TORCH_LIBRARY_FRAGMENT(mixserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots, Tensor tables, Tensor lens, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+"""
+
+
+_fake_registered = False
+
+
+def _load():
+    global _fake_registered
+    mod = build_extension("mixserve_paged_decode_v3", _SRC, ["paged_decode"])
+    if mod is not None and not _fake_registered:
+        # shapes for tracing (torch.compile): the output is q's
+        torch.library.register_fake("mixserve::paged_decode_attention")(
+            lambda q, k, v, k_cache, v_cache, slots, tables, lens, scale: q.new_empty(q.shape))
+        _fake_registered = True
+    return mod
+
+
+def available() -> bool:
+    """True where the kernel builds (a C++ compiler and PyTorch's headers)."""
+    return _load() is not None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per row attending to its whole context in the paged cache.
+
+    Args:
+        q: [B, H, d] float32 or bfloat16 (the cache's dtype).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, d], contiguous.
+        block_tables: int64 [B, max_blocks]; row b's context is positions 0..context_lens[b]-1,
+            position p in block block_tables[b, p // block_size] at offset p % block_size.
+        context_lens: int64 [B], each >= 1 and <= max_blocks * block_size.
+        scale: softmax scale.
+    Returns:
+        [B, H, d] in q's dtype.
+    Raises:
+        RuntimeError: the kernel is not built (check `available()`), or shapes/dtypes disagree.
+    """
+    mod = _load()
+    if mod is None:
+        raise RuntimeError("paged_decode: the C++ kernel is not available on this machine")
+    return mod.paged_decode(q.contiguous(), k_cache, v_cache, block_tables.contiguous(), context_lens, float(scale))
+
+
+def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode-only step's attention for one layer as one dispatcher op
+    (`torch.ops.mixserve.paged_decode_attention`, traceable by torch.compile): k, v [B, kv_heads, d]
+    written into the caches at slot_mapping (int64 [B]), then `paged_decode`. The caller has
+    checked `available()`. Returns [B, H, d]."""
+    _load()
+    return torch.ops.mixserve.paged_decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+                                                     context_lens, scale)
