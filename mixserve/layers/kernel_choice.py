@@ -10,7 +10,9 @@ candidates on the model's own shapes, made once per CPU model and torch version 
 - `decode_attention/<dtype>/<heads>x<kv_heads>x<head_dim>`: "sdpa" (PyTorch's fused kernel),
   "bmm" (layers/attention.py `_decode_attention`), both over the gathered context, or "paged"
   (layers/paged_decode.py, the block table read in place), at 1 and 16 rows of 512 context;
-- `int4_dense_rows/<dtype>/<out>x<in>`: the row count from which dequantize + dense GEMM beats
+- `int4_kernel/<dtype>/<out>x<in>g<group>`: "torch" (PyTorch's int4 kernel, bf16 activations) or
+  "vnni" (layers/int4_vnni.py: int8 activations x int4 weights, AVX512-VNNI), at 1 and 4 rows;
+- `int4_dense_rows/<dtype>/<out>x<in>[/vnni]`: the row count from which dequantize + dense GEMM beats
   PyTorch's int4 kernel ("never": the int4 kernel at every row count);
 - `decode_graph/<dtype>/<model shape>/<weights>`: "eager" steps or the "compiled" decode graph
   (engine/decode_graph.py), timed as whole decode steps of the model at 1 and 8 rows.
@@ -43,7 +45,8 @@ log = logging.getLogger("mixserve")
 
 CACHE_VERSION = 1
 MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
-EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_dense_rows": "never", "decode_graph": "eager"}
+EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "torch", "int4_dense_rows": "never",
+         "decode_graph": "eager"}
 
 
 def llc_bytes() -> int:
@@ -164,7 +167,27 @@ class KernelChooser:
         except (OSError, ValueError):
             return {}
 
+    def _foreign(self) -> str | None:
+        """Why the cache file must not be overwritten (a folder, or another version's cache that
+        another mixserve may be using), else None."""
+        if self.path.is_dir():
+            return "it is a directory"
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] != CACHE_VERSION:
+            return f"it is a version-{data['version']} cache (this mixserve writes version {CACHE_VERSION})"
+        return None
+
     def _write(self, key: str, choice: Choice) -> None:
+        why = self._foreign()
+        if why:  # measured again next start, and nothing of the other cache lost
+            if not getattr(self, "_warned", False):
+                log.warning("kernel choices not cached in %s: %s; set MIXSERVE_KERNEL_CACHE to another file",
+                            self.path, why)
+                self._warned = True
+            return
         data = self._read() or {"version": CACHE_VERSION, "machines": {}}
         if not isinstance(data.get("machines"), dict):
             data["machines"] = {}
@@ -176,7 +199,10 @@ class KernelChooser:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, self.path)
+            try:
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
         except OSError as e:  # an unwritable cache costs a remeasurement next time, nothing more
             log.warning("kernel choices not cached (%s): %s", self.path, e)
 
@@ -204,7 +230,8 @@ class KernelChooser:
                 and all(isinstance(v, (int, float)) for v in hit["timings"].values())):
             self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
             return hit["name"]
-        log.info("timing kernels for %s (once per machine; cached in %s)", key, self.path)
+        # a warning, not info: a first start is silent for up to a minute otherwise
+        log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
         timings = {name: float(fn()) for name, fn in candidates.items()}
         best = min(timings, key=timings.get)
         if best != eager and eager in timings and timings[best] > (1 - MARGIN) * timings[eager]:

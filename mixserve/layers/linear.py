@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers import bf16_gemv, graph_ops
+from mixserve.layers import bf16_gemv, graph_ops, int4_vnni
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
@@ -180,10 +180,37 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = torch.stack([s.t(), zero.t()], -1).to(dtype).contiguous()
         self.scale_rows = s.to(dtype)
         self.zero_rows = zero.to(dtype)
+        self.kernel = "torch"  # or "vnni" (set_kernel): layers/int4_vnni.py, its own weight layout
+        self.vq = self.vs = self.vm = None
+
+    def set_kernel(self, kernel: str) -> None:
+        """Few-row kernel: "torch" (PyTorch's int4 kernel, the default) or "vnni" (int8 activations
+        x int4 weights, layers/int4_vnni.py, where it builds and takes the shape). The weight is
+        repacked into the kernel's layout and the other layout dropped: one copy stays resident.
+        Raises ValueError for another name."""
+        if kernel not in ("torch", "vnni"):
+            raise ValueError(f"int4 linear: unknown kernel {kernel!r} (torch or vnni)")
+        if kernel == self.kernel:
+            return
+        n, k = self.out_features, self.in_features
+        if kernel == "vnni":
+            if not (int4_vnni.available() and int4_vnni.supported(k, self.group_size)):
+                return
+            s = self.scale_rows.float()
+            self.vq = int4_vnni.pack(_unpack_int4pack_cpu(self.packed, n, k))
+            self.vs, self.vm = s.half(), (self.zero_rows.float() - 8 * s).half()
+            self.packed = self.scales_and_zeros = None
+        else:
+            q = int4_vnni.unpack(self.vq).to(torch.int32)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            self.scales_and_zeros = torch.stack([self.scale_rows.t(), self.zero_rows.t()], -1).contiguous()
+            self.vq = self.vs = self.vm = None
+        self.kernel = kernel
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_rows,
-                                                           self.zero_rows))
+                                                           self.zero_rows, self.vq, self.vs, self.vm)
+                   if t is not None)
 
     def dense_weight(self, reuse: bool = False) -> torch.Tensor:
         """The dequantized weight [out, in] in the compute dtype. reuse=True writes it into the
@@ -191,6 +218,9 @@ class Int4Linear(nn.Module):
         n = self.out_features * self.in_features
         # an LM head (a quarter billion weights) would pin its size in scratch for good
         out = scratch(n, self.dtype) if reuse and n <= SCRATCH_MAX_ELEMENTS else None
+        if self.kernel == "vnni":
+            out = out if out is not None else torch.empty(n, dtype=self.dtype)
+            return int4_vnni.dequantize(self.vq, self.vs, self.vm, self.group_size, out)
         w = dequantize_int4pack(self.packed, self.scale_rows, self.zero_rows, self.out_features, self.in_features,
                                 self.group_size, out)
         if w is not None:
@@ -207,6 +237,10 @@ class Int4Linear(nn.Module):
         if rows == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
         if x.device.type == "cpu" and (self.dense_rows is None or rows < self.dense_rows):
+            if self.kernel == "vnni":
+                y = int4_vnni.int4_vnni_matmul(x.reshape(rows, -1), self.vq, self.vs, self.vm, self.group_size)
+                y = y.to(self.dtype).view(*x.shape[:-1], self.out_features)
+                return y + self.bias if self.bias is not None else y
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, -1).contiguous(), self.packed,
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
@@ -214,9 +248,51 @@ class Int4Linear(nn.Module):
         return F.linear(x, self.dense_weight(reuse=True), self.bias)
 
 
-def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> dict:
-    """Timers for kernel_choice's `int4_dense_rows` choice: candidate "never" (PyTorch's int4
-    kernel at every row count) and "R" for R in INT4_ROWS (dequantize + dense GEMM from R rows).
+_INT4_TENSORS = ("packed", "scales_and_zeros", "scale_rows", "zero_rows", "vq", "vs", "vm")
+
+
+def _int4_copies(out_features: int, in_features: int, group_size: int, dtype: torch.dtype, kernel: str) -> list:
+    """Random Int4Linear modules of this shape on `kernel`, rotating past the last-level cache."""
+    base = Int4Linear(torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
+                      torch.rand(out_features, in_features // group_size) * 0.01 + 0.001,
+                      torch.randint(0, 16, (out_features, in_features // group_size), dtype=torch.int32),
+                      group_size, None, dtype)
+    base.set_kernel(kernel)
+
+    def make():
+        m = copy.copy(base)  # the module's tensors cloned, not the quantization redone
+        m._parameters, m._buffers, m._modules = {}, {}, {}
+        for name in _INT4_TENSORS:
+            t = getattr(base, name)
+            setattr(m, name, None if t is None else t.clone())
+        return m
+    return rotating_copies(make, out_features * in_features // 2)
+
+
+INT4_KERNEL_ROWS = (1, 4)
+
+
+def int4_kernel_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice's `int4_kernel` choice: seconds per call of "torch" (PyTorch's int4
+    kernel) and, where it builds and takes the shape, "vnni" (layers/int4_vnni.py), the geometric
+    mean over INT4_KERNEL_ROWS rows (decode), weights rotating past the cache."""
+    def timer(kernel):
+        def run():
+            mods = _int4_copies(out_features, in_features, group_size, dtype, kernel)
+            return geomean(time_calls(mods, lambda m, x=torch.randn(r, in_features).to(dtype): m(x))
+                           for r in INT4_KERNEL_ROWS)
+        return run
+
+    cands = {"torch": timer("torch")}
+    if int4_vnni.available() and int4_vnni.supported(in_features, group_size):
+        cands["vnni"] = timer("vnni")
+    return cands
+
+
+def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
+                    kernel: str = "torch") -> dict:
+    """Timers for kernel_choice's `int4_dense_rows` choice: candidate "never" (the few-row int4
+    `kernel` at every row count) and "R" for R in INT4_ROWS (dequantize + dense GEMM from R rows).
     Each candidate's figure is the geometric mean over INT4_ROWS of its seconds per call there,
     from one timing of both paths at every row count (weights rotating past the cache)."""
     timed: dict[int, tuple[float, float]] = {}
@@ -224,19 +300,7 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
     def measure():
         if timed:
             return timed
-
-        base = Int4Linear(torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
-                          torch.rand(out_features, in_features // group_size) * 0.01 + 0.001,
-                          torch.randint(0, 16, (out_features, in_features // group_size), dtype=torch.int32),
-                          group_size, None, dtype)
-
-        def make():
-            m = copy.copy(base)  # the module's tensors cloned, not the quantization redone
-            m._parameters, m._buffers, m._modules = {}, {}, {}
-            for name in ("packed", "scales_and_zeros", "scale_rows", "zero_rows"):
-                setattr(m, name, getattr(base, name).clone())
-            return m
-        mods = rotating_copies(make, out_features * in_features // 2)
+        mods = _int4_copies(out_features, in_features, group_size, dtype, kernel)
         dense_ahead = 0
         for r in INT4_ROWS:
             x = torch.randn(r, in_features).to(dtype)
@@ -270,6 +334,10 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
         key = f"dense_linear/{dt}/{lin.out_features}x{lin.in_features}"
         lin.set_impl(chooser.choose(key, dense_candidates(lin.out_features, lin.in_features, dtype), "plain"))
     elif isinstance(lin, Int4Linear):
-        key = f"int4_dense_rows/{dt}/{lin.out_features}x{lin.in_features}g{lin.group_size}"
-        pick = chooser.choose(key, int4_candidates(lin.out_features, lin.in_features, lin.group_size, dtype), "never")
+        shape = f"{lin.out_features}x{lin.in_features}g{lin.group_size}"
+        n, k, g = lin.out_features, lin.in_features, lin.group_size
+        lin.set_kernel(chooser.choose(f"int4_kernel/{dt}/{shape}", int4_kernel_candidates(n, k, g, dtype), "torch"))
+        # where the many-row switch pays depends on the few-row kernel it switches from
+        key = f"int4_dense_rows/{dt}/{shape}" + ("" if lin.kernel == "torch" else f"/{lin.kernel}")
+        pick = chooser.choose(key, int4_candidates(n, k, g, dtype, lin.kernel), "never")
         lin.dense_rows = None if pick == "never" else int(pick)

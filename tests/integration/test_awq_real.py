@@ -43,7 +43,7 @@ def test_checkpoint_layout(awq_dir):
 
 def test_int4_kernel_and_dense_path_agree_on_real_weights(awq_dir):
     # the int4 kernel at every row count (a measured choice may use the dense path from row 1)
-    llm = LLM(str(awq_dir), dtype="float32", kv_cache_memory="128MiB", progress=False, kernels="int4_dense_rows=never")
+    llm = LLM(str(awq_dir), dtype="float32", kv_cache_memory="128MiB", progress=False, kernels="int4_kernel=torch,int4_dense_rows=never")
     assert isinstance(llm.engine.model.layers[0].qkv_proj, Int4Linear)
     tok = llm.tokenizer
     prompts = [tok.encode("def quicksort(arr):"), tok.encode("The capital of France is")]

@@ -45,24 +45,32 @@ def test_smollm2_greedy_matches_hf(smol, smollm2_path):
     run_compare(smol, hf_model(smollm2_path), [tok.encode(p) for p in prompts])
 
 
-def test_smollm2_fast_path_equals_eager(smol, smollm2_path):
-    """The kernels chosen on this machine (smol: kernels auto) against PyTorch's eager ones, float32
-    greedy at a batch of 8 (one decode group), token for token up to near-ties of the eager logits."""
+@pytest.mark.parametrize("fast", ["auto", "decode_attention=paged,decode_graph=compiled"])
+def test_smollm2_fast_path_equals_eager(smol, smollm2_path, fast):
+    """The kernels chosen on this machine (smol: kernels auto), and the compiled decode graph with
+    the paged kernel, against PyTorch's eager kernels: float32 greedy at a batch of 8 (one graph of
+    the dynamic row count), token for token up to near-ties of the eager logits."""
     from mixserve.data.datasets import load_humaneval
 
     eager = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels="eager")
-    assert any(c.source != "override" for c in smol.engine.kernels.choices.values())
+    if fast == "auto":
+        llm = smol
+        assert any(c.source != "override" for c in smol.engine.kernels.choices.values())
+    else:
+        llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels=fast)
     ids = [smol.tokenizer.encode(r.prompt)[:96] for r in load_humaneval(num_prompts=8)]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ties = 0
-    for ref, o in zip(eager.generate(ids, sp), smol.generate(ids, sp)):
+    for ref, o in zip(eager.generate(ids, sp), llm.generate(ids, sp)):
         assert len(o.token_ids) == 32
         if o.token_ids != ref.token_ids:
             c = compare_greedy(o.token_ids, ref.token_ids, engine_logits_along(eager.engine, ref.prompt_token_ids,
                                                                                ref.token_ids))
             assert c.ok, f"diverged at token {c.position}, top-2 gap {c.gap}"
             ties += 1
-    print(f"tie rule used {ties}/8; kernels: {smol.engine.kernels.describe()}")
+    if fast != "auto":
+        assert llm.engine.runner.graph.num_steps > 0
+    print(f"tie rule used {ties}/8; {llm.engine.describe()}")
 
 
 def test_smollm2_stop_string_spanning_tokens(smol):

@@ -53,7 +53,7 @@ def test_eager_kept_unless_beaten_by_the_margin(tmp_path):
 
 @pytest.mark.parametrize("garbage", ["{not json", "[]", '{"version": 1, "machines": {"m": {"k": {"name": "gone"}}}}',
                                      '{"version": 1, "machines": {"m": {"k": {"name": "a", "timings": "x"}}}}',
-                                     '{"version": 1, "machines": ["m"]}', '{"version": 99}', ""])
+                                     '{"version": 1, "machines": ["m"]}', ""])
 def test_corrupt_cache_is_ignored_and_remeasured(tmp_path, garbage):
     path = tmp_path / "c.json"
     path.write_text(garbage)
@@ -69,6 +69,22 @@ def test_unwritable_cache_still_chooses(tmp_path):
     blocker.write_text("")
     c = KernelChooser(blocker / "sub" / "c.json", overrides={}, machine="m")  # a file where a folder should be
     assert c.choose("k", {"a": lambda: 2.0, "b": lambda: 1.0}, "a") == "b"
+
+
+def test_cache_that_is_a_folder_or_another_version_is_left_alone(tmp_path, caplog):
+    """A folder at the cache path, or a newer mixserve's cache, is not overwritten (nor a stray
+    temporary file left): the choice is made, a warning says why it is not cached."""
+    folder = tmp_path / "dir.json"
+    folder.mkdir()
+    other = tmp_path / "v9.json"
+    other.write_text(json.dumps({"version": 9, "machines": {"m": {"k": {"name": "zzz"}}}}))
+    for path in (folder, other):
+        c = KernelChooser(path, overrides={}, machine="m")
+        with caplog.at_level("WARNING", logger="mixserve"):
+            assert c.choose("k", {"a": lambda: 2.0, "b": lambda: 1.0}, "a") == "b"
+        assert "not cached" in caplog.text
+    assert folder.is_dir() and json.loads(other.read_text())["version"] == 9
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_overrides(tmp_path):
@@ -238,3 +254,35 @@ def test_paged_decode_equals_gathered_attention(dtype, tol, heads, kv_heads, blo
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="shapes"):
         paged_decode(q[..., :8], kc, vc, tables, lens, 1.0)
+
+
+def test_int4_vnni_kernel_against_float_math():
+    """The int8-activation int4 kernel against float32 math on the same int4 weight (error from the
+    int8 activations only, ~1%), its dequantization exact, and switching layouts back and forth
+    keeps the weight; one layout resident at a time."""
+    from mixserve.layers import int4_vnni
+    from mixserve.layers.linear import Int4Linear
+
+    if not int4_vnni.available():
+        pytest.skip("no AVX512-VNNI here")
+    g = torch.Generator().manual_seed(0)
+    n, k, gs = 48, 512, 128
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    sc = torch.rand(n, k // gs, generator=g) * 0.01 + 0.001
+    z = torch.randint(0, 16, (n, k // gs), dtype=torch.int32, generator=g)
+    lin = Int4Linear(q, sc, z, gs, torch.randn(n, generator=g), torch.float32)
+    w = lin.dense_weight().clone()
+    bytes_torch = lin.weight_bytes()
+    lin.set_kernel("vnni")
+    assert lin.kernel == "vnni" and lin.packed is None and lin.weight_bytes() <= 1.1 * bytes_torch
+    torch.testing.assert_close(lin.dense_weight(), w, atol=1e-4, rtol=1e-3)  # fp16 scales
+    for rows in (1, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=g)
+        ref = x @ w.t() + lin.bias
+        rel = ((lin(x) - ref).norm() / ref.norm()).item()
+        assert rel < 0.02, (rows, rel)
+    lin.set_kernel("torch")
+    assert lin.vq is None and torch.equal(lin.dense_weight(), w)
+    assert not int4_vnni.supported(96, 32) and int4_vnni.supported(256, 128)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        lin.set_kernel("fast")

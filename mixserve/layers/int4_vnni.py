@@ -1,0 +1,244 @@
+"""int4 weights times int8 activations with AVX512-VNNI, for decode rows (as llama.cpp's Q4 x Q8 dot).
+
+PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) streamed the 1.5B's int4 weights at about
+half the machine's read bandwidth on the project's AVX-512 Xeon (BENCHMARKS.md, issue 14). This
+kernel reads a layout of our own: per output row, each chunk of 128 input channels is 64 bytes,
+byte j holding channel j (low nibble) and channel 64 + j (high nibble), so one 64-byte load gives two
+vectors of 64 unsigned 4-bit weights. The activation row is quantized once per call to int8, one
+scale per 128-channel chunk (max |x| / 127); `vpdpbusd` (u8 x s8 -> s32) multiplies and sums four
+products a lane, and each chunk's integer sums are scaled into float32 accumulators.
+
+With w = q * s + m per group (q in 0..15; this project's zero form: m = zero' - 8 s),
+    y[n] = sum_g s[n,g] * sum_(k in g) q[n,k] x[k]  +  sum_g m[n,g] * sum_(k in g) x[k],
+the first sum with x in int8, the second with x exact. The int8 activations are the one
+approximation beyond the int4 weights (llama.cpp makes the same one); its effect on quality is
+measured (`mixserve eval-ppl`), and the kernel is used only where it is chosen by timing
+(`int4_kernel` in layers/kernel_choice.py) and the group size is a multiple of 128.
+"""
+from __future__ import annotations
+
+import torch
+
+from mixserve.layers.cpp_build import build_extension
+
+CHUNK = 128  # input channels per 64-byte chunk (and per activation scale)
+MAX_ROWS = 8  # rows handled in one pass over the weights; more rows go to the other int4 paths
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// R rows: xq int8 [R, K], dx float [R, K/128]; w uint8 [N, K/2]; s, m half [N, ng]; xs float [R, ng]
+// float16 [n] -> float [n] with F16C, 16 at a time (a scalar c10::Half conversion per group cost
+// more than the group's integer dot products)
+static inline void halves_to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
+  if (i < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, src + i)));
+  }
+}
+
+template <int R>
+static void run(const int8_t* xq, const float* dx, const float* xs, const uint8_t* w, const at::Half* s,
+                const at::Half* m, float* y, int64_t N, int64_t K, int64_t G) {
+  const int64_t nc = K / 128, ng = K / G, cpg = G / 128;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sf(ng + 16), mf(ng + 16);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + n * (K / 2);
+      halves_to_float(s + n * ng, sf.data(), ng);
+      halves_to_float(m + n * ng, mf.data(), ng);
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nc; ++c) {
+        const __m512i v = _mm512_loadu_si512(wr + c * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const float sc = sf[c / cpg];
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xq + r * K + c * 128;
+          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+          a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xr + 64));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sc * dx[r * nc + c]), acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xsr = xs + r * ng;
+        __m512 t = acc[r];
+        int64_t g = 0;
+        for (; g + 16 <= ng; g += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(mf.data() + g), _mm512_loadu_ps(xsr + g), t);
+        float tail = 0.f;
+        for (; g < ng; ++g) tail += mf[g] * xsr[g];
+        y[r * N + n] = _mm512_reduce_add_ps(t) + tail;
+      }
+    }
+  });
+}
+#endif
+
+bool available() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x float [R, K] -> y float [R, N]
+torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [R, K], contiguous");
+  TORCH_CHECK(w.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
+              "w uint8, s and m float16");
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(0), nc = K / 128, ng = K / G;
+  TORCH_CHECK(K % 128 == 0 && G % 128 == 0 && K % G == 0 && w.size(1) == K / 2 && s.size(0) == N && s.size(1) == ng &&
+              m.sizes() == s.sizes(), "int4_vnni: shapes do not agree");
+  auto y = torch::empty({R, N}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> xq(R * K);
+  std::vector<float> dx(R * nc), xs(R * ng, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < nc; ++c) {
+      const float* xc = xp + r * K + c * 128;
+      float amax = 0.f;
+      for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(xc[i]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      dx[r * nc + c] = d;
+      float sum = 0.f;
+      for (int i = 0; i < 128; ++i) {
+        xq[r * K + c * 128 + i] = (int8_t)std::nearbyint(xc[i] * inv);
+        sum += xc[i];
+      }
+      xs[r * ng + c * 128 / G] += sum;
+    }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, R - r0);
+    const int8_t* a = xq.data() + r0 * K;
+    const float* b = dx.data() + r0 * nc;
+    const float* c = xs.data() + r0 * ng;
+    float* o = yp + r0 * N;
+    switch (rr) {
+      case 1: run<1>(a, b, c, wp, sp, mp, o, N, K, G); break;
+      case 2: run<2>(a, b, c, wp, sp, mp, o, N, K, G); break;
+      case 3: run<3>(a, b, c, wp, sp, mp, o, N, K, G); break;
+      default: run<4>(a, b, c, wp, sp, mp, o, N, K, G); break;
+    }
+  }
+#else
+  TORCH_CHECK(false, "int4_vnni: built without AVX512-VNNI");
+#endif
+  return y;
+}
+
+// dense weight for the many-row path: out [N, K] (float or bf16 bits) = q * s + m
+torch::Tensor dequant(torch::Tensor w, torch::Tensor s, torch::Tensor m, torch::Tensor out, int64_t G) {
+  const int64_t N = w.size(0), K = w.size(1) * 2, ng = K / G;
+  TORCH_CHECK(out.is_contiguous() && out.numel() == N * K, "int4_vnni dequant: out needs N * K elements");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* sp = s.data_ptr<at::Half>();
+  const at::Half* mp = m.data_ptr<at::Half>();
+  const bool bf = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf || out.scalar_type() == at::kFloat, "int4_vnni dequant: float32 or bfloat16 out");
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t c = 0; c < K / 128; ++c) {
+        const int64_t g = c * 128 / G;
+        const float a = (float)sp[n * ng + g], b = (float)mp[n * ng + g];
+        const uint8_t* src = wp + n * (K / 2) + c * 64;
+        float v[128];
+#pragma omp simd
+        for (int j = 0; j < 64; ++j) {
+          v[j] = (float)(src[j] & 15) * a + b;
+          v[64 + j] = (float)(src[j] >> 4) * a + b;
+        }
+        const int64_t o = n * K + c * 128;
+        if (bf) {
+          at::BFloat16* dst = out.data_ptr<at::BFloat16>() + o;
+          for (int j = 0; j < 128; ++j) dst[j] = at::BFloat16(v[j]);
+        } else {
+          float* dst = out.data_ptr<float>() + o;
+          for (int j = 0; j < 128; ++j) dst[j] = v[j];
+        }
+      }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
+  lib.def("int4_vnni_matmul(Tensor x, Tensor w, Tensor s, Tensor m, int group_size) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, lib) { lib.impl("int4_vnni_matmul", &matmul); }
+"""
+
+_state: dict = {}
+
+
+def _load():
+    if "mod" not in _state:
+        mod = build_extension("mixserve_int4_vnni_v2", _SRC, ["available", "dequant"])
+        mod = mod if mod is not None and mod.available() else None
+        if mod is not None:
+            torch.library.register_fake("mixserve::int4_vnni_matmul")(
+                lambda x, w, s, m, g: x.new_empty(x.shape[0], w.shape[0]))
+        _state["mod"] = mod
+    return _state["mod"]
+
+
+def available() -> bool:
+    """True where the kernel is built for this CPU (AVX512-VNNI and AVX512-BW) and loads."""
+    return _load() is not None
+
+
+def supported(in_features: int, group_size: int) -> bool:
+    """Whether this layout takes the shape: whole 128-channel chunks, groups of whole chunks."""
+    return in_features % CHUNK == 0 and group_size % CHUNK == 0 and in_features % group_size == 0
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q int [N, K] in 0..15 -> uint8 [N, K / 2]: per 128-channel chunk, byte j = q[j] | q[64 + j] << 4."""
+    n, k = q.shape
+    c = q.to(torch.uint8).view(n, k // CHUNK, 2, CHUNK // 2)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack(w: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack`: uint8 [N, K / 2] -> uint8 [N, K] in 0..15."""
+    n, kh = w.shape
+    c = w.view(n, kh // (CHUNK // 2), 1, CHUNK // 2)
+    return torch.cat([c & 15, c >> 4], 2).reshape(n, kh * 2)
+
+
+def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """y = x @ W^T for W[n, k] = q * s[n, g] + m[n, g] (g = k // group_size).
+
+    Args:
+        x: [R, K] any float dtype (computed from float32; R <= MAX_ROWS is what it is fast at).
+        w: uint8 [N, K / 2] from `pack`; s, m: float16 [N, K / group_size].
+    Returns:
+        float32 [R, N].
+    Raises:
+        RuntimeError: kernel not built (check `available()`) or shapes disagree.
+    """
+    if _load() is None:
+        raise RuntimeError("int4_vnni: the kernel is not available on this machine")
+    return torch.ops.mixserve.int4_vnni_matmul(x.float().contiguous(), w, s, m, group_size)
+
+
+def dequantize(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group_size: int, out: torch.Tensor) -> torch.Tensor:
+    """The dense weight [N, K] = q * s + m written into `out` (float32 or bfloat16, N * K elements,
+    contiguous), for the many-row path. The caller has checked `available()`."""
+    _load().dequant(w, s, m, out, group_size)
+    return out.view(w.shape[0], w.shape[1] * 2)
