@@ -32,7 +32,18 @@ CONFIGS = [
     # added after round 5 (the decode attention grid), run with round 5's profile
     ("synthetic long prompt, 48 MiB KV (preemption; unseen until round 5)", "SYNTH", 16, "48MiB"),
     ("sharegpt, 128 requests, 64 MiB KV (preemption; unseen until round 5)", "sharegpt", 128, "64MiB"),
+    # added with the decode graph (issue 14): code, chat and long documents in one trace
+    ("mixed code + chat + long documents, 32 MiB KV (preemption; new in issue 14)", "MIXED", 48, "32MiB"),
 ]
+
+
+def mixed_trace(parts: dict[str, Path], out: Path, seed: int = 0) -> None:
+    """One JSONL trace from several (their records shuffled together, deterministically)."""
+    import random
+
+    lines = [ln for p in parts.values() for ln in p.read_text().splitlines() if ln.strip()]
+    random.Random(seed).shuffle(lines)
+    out.write_text("\n".join(lines) + "\n")
 
 
 def run(cmd: list[str]) -> None:
@@ -72,10 +83,20 @@ def main() -> int:
         run(exe + ["mix", "sample", "--source", "synthetic-long-prompt", "--num", "64", "--seed", "0",
                    "--out", str(synth)])
 
+    mixed = out.with_suffix(".mixed.jsonl")
+    if not mixed.is_file():
+        parts = {}
+        for source, num in (("sharegpt", 20), ("humaneval", 20), ("synthetic-long-prompt", 8)):
+            parts[source] = out.with_suffix(f".mixed-{source}.jsonl")
+            run(exe + ["mix", "sample", "--source", source, "--num", str(num), "--seed", "1", "--model", a.model,
+                       "--out", str(parts[source])])
+        mixed_trace(parts, mixed)
+
     r = resolve_model(a.model)
     cfg = ModelConfig.from_folder(convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path)
     sm, hw = load_step_model(a.profile, cfg)
-    configs = [(n, str(synth) if d == "SYNTH" else d, max(2, round(k * a.scale)), kv) for n, d, k, kv in CONFIGS]
+    traces = {"SYNTH": str(synth), "MIXED": str(mixed)}
+    configs = [(n, traces.get(d, d), max(2, round(k * a.scale)), kv) for n, d, k, kv in CONFIGS]
     if a.configs:
         configs = [configs[int(i)] for i in a.configs.split(",")]
 

@@ -67,8 +67,9 @@ def _weight_guards_dropped(entries) -> list[bool]:
 
 def _own_code(method):
     """`method` rebound over a copy of its code object. Dynamo keeps compiled graphs per code
-    object, and these graphs keep no guards: without a copy each, a second model in the process
-    (a draft model) or the other row-count graph would run the first graph made."""
+    object: a copy each keeps one DecodeGraph's graphs (and their recompile budget) apart from
+    another model's in the process (a draft model) and from its other row-count graph, since
+    the weights, whose guards are dropped, no longer tell them apart."""
     f = method.__func__
     g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     return types.MethodType(g, method.__self__)
@@ -135,6 +136,35 @@ class DecodeGraph:
         return out
 
 
+def dummy_decode_steps(runner, rows: int, context: int, steps: int, run) -> list[float]:
+    """Seconds of `steps` decode steps of `rows` rows at `context` tokens through `run(items,
+    block_table)`, on the cache's first blocks, zeroed afterwards: for timing and warm-up before
+    the engine has admitted a request."""
+    bs = runner.block_size
+    per_row = -(-(context + steps + 1) // bs)
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+    out = []
+    for s in range(steps):
+        # BatchItem's fields (model_runner imports this module)
+        items = [types.SimpleNamespace(seq_id=i, token_ids=[1] * (context + steps + 1), start=context + s,
+                                       end=context + s + 1, num_logits=1) for i in range(rows)]
+        t0 = time.perf_counter()
+        run(items, lambda i: tables[i])
+        out.append(time.perf_counter() - t0)
+    for kc, vc in zip(runner.k_caches, runner.v_caches):
+        kc[:per_row * rows].zero_()
+        vc[:per_row * rows].zero_()
+    return out
+
+
+def warm_up(runner, graph: DecodeGraph) -> None:
+    """Compile (or load from Inductor's cache) both graphs now, at engine start, as a GPU server
+    captures its graphs, so that no request's step waits for it."""
+    for rows in (1, 2):
+        if rows <= graph.max_rows and rows * -(-4 // runner.block_size) <= runner.num_blocks:
+            dummy_decode_steps(runner, rows, 2, 1, graph.run)
+
+
 def decode_graph_candidates(runner, graph: DecodeGraph, rows=(1, 8), context: int = 128, steps: int = 6) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this
     runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled").
@@ -147,30 +177,12 @@ def decode_graph_candidates(runner, graph: DecodeGraph, rows=(1, 8), context: in
     rows = [r for r in rows if r <= graph.max_rows and r * per_row <= runner.num_blocks]
     if not rows:
         rows = [1]
-        per_row = min(per_row, runner.num_blocks)
-        context = max(1, per_row * bs - steps - 3)
-    tables = {r: [list(range(i * per_row, (i + 1) * per_row)) for i in range(r)] for r in rows}
+        context = max(1, min(per_row, runner.num_blocks) * bs - steps - 3)
 
     def timer(compiled: bool):
-        def run():
-            out = []
-            for r in rows:
-                ts = []
-                for s in range(steps + 2):
-                    # BatchItem's fields (model_runner imports this module)
-                    items = [types.SimpleNamespace(seq_id=i, token_ids=[1] * (context + steps + 2), start=context + s,
-                                                   end=context + s + 1, num_logits=1) for i in range(r)]
-                    t0 = time.perf_counter()
-                    if compiled:
-                        graph.run(items, lambda i: tables[r][i])
-                    else:
-                        runner.run_eager(items, lambda i: tables[r][i])
-                    ts.append(time.perf_counter() - t0)
-                out.append(statistics.median(ts[2:]))
-            for kc, vc in zip(runner.k_caches, runner.v_caches):
-                kc[:per_row * max(rows)].zero_()
-                vc[:per_row * max(rows)].zero_()
-            return geomean(out)
-        return run
+        run = graph.run if compiled else runner.run_eager
+        # the first two steps (the compile, oneDNN's first calls) are not timed
+        return lambda: geomean(statistics.median(dummy_decode_steps(runner, r, context, steps + 2, run)[2:])
+                               for r in rows)
 
     return {"eager": timer(False), "compiled": timer(True)}

@@ -94,7 +94,8 @@ class ModelRunner:
         """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
         (layers/kernel_choice.py, key `decode_graph/...`) measures it faster than eager steps, or
         an override says so. Returns "compiled", "eager", or why the graph is unsupported."""
-        from mixserve.engine.decode_graph import DecodeGraph, decode_graph_candidates, graph_supported, max_graph_rows
+        from mixserve.engine.decode_graph import (DecodeGraph, decode_graph_candidates, graph_supported,
+                                                  max_graph_rows, warm_up)
 
         why = graph_supported(self.model)
         rows = max_graph_rows(self.model, max_rows)
@@ -112,6 +113,8 @@ class ModelRunner:
         pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
         self.graph = graph if pick == "compiled" else None
         self.graph_choice = pick
+        if self.graph is not None:
+            warm_up(self, graph)
         return pick
 
     def _slot_tensor(self, table: list[int], start: int, end: int) -> torch.Tensor:

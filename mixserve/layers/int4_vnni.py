@@ -45,39 +45,56 @@ static inline void halves_to_float(const at::Half* src, float* dst, int64_t n) {
   }
 }
 
+// Two output rows n per pass share each activation load; per (n, row, chunk) the integer sums are
+// converted, multiplied by the row's chunk scale (a vector kept broadcast) and accumulated with the
+// weight's group scale (broadcast once per (n, chunk), shared by all rows).
 template <int R>
 static void run(const int8_t* xq, const float* dx, const float* xs, const uint8_t* w, const at::Half* s,
                 const at::Half* m, float* y, int64_t N, int64_t K, int64_t G) {
   const int64_t nc = K / 128, ng = K / G, cpg = G / 128;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(ng + 16), mf(ng + 16);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + n * (K / 2);
-      halves_to_float(s + n * ng, sf.data(), ng);
-      halves_to_float(m + n * ng, mf.data(), ng);
-      __m512 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  std::vector<__m512> dxv(R * nc);
+  for (int64_t i = 0; i < R * nc; ++i) dxv[i] = _mm512_set1_ps(dx[i]);
+  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+    std::vector<float> sf(2 * (ng + 16)), mf(2 * (ng + 16));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n = 2 * p, nn = std::min<int64_t>(2, N - n);
+      for (int64_t j = 0; j < nn; ++j) {
+        halves_to_float(s + (n + j) * ng, sf.data() + j * (ng + 16), ng);
+        halves_to_float(m + (n + j) * ng, mf.data() + j * (ng + 16), ng);
+      }
+      const uint8_t* w0 = w + n * (K / 2);
+      const uint8_t* w1 = nn > 1 ? w0 + K / 2 : w0;  // an odd last row computes row n twice, stores once
+      const float* s0 = sf.data();
+      const float* s1 = nn > 1 ? sf.data() + (ng + 16) : s0;
+      __m512 acc0[R], acc1[R];
+      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
       for (int64_t c = 0; c < nc; ++c) {
-        const __m512i v = _mm512_loadu_si512(wr + c * 64);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const float sc = sf[c / cpg];
+        const __m512i v0 = _mm512_loadu_si512(w0 + c * 64), v1 = _mm512_loadu_si512(w1 + c * 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        const __m512 sc0 = _mm512_set1_ps(s0[c / cpg]), sc1 = _mm512_set1_ps(s1[c / cpg]);
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xq + r * K + c * 128;
-          __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-          a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xr + 64));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sc * dx[r * nc + c]), acc[r]);
+          const __m512i xa = _mm512_loadu_si512(xr), xb = _mm512_loadu_si512(xr + 64);
+          const __m512i a0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, xa), hi0, xb);
+          const __m512i a1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo1, xa), hi1, xb);
+          const __m512 d = dxv[r * nc + c];
+          acc0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), d), sc0, acc0[r]);
+          acc1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), d), sc1, acc1[r]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const float* xsr = xs + r * ng;
-        __m512 t = acc[r];
-        int64_t g = 0;
-        for (; g + 16 <= ng; g += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(mf.data() + g), _mm512_loadu_ps(xsr + g), t);
-        float tail = 0.f;
-        for (; g < ng; ++g) tail += mf[g] * xsr[g];
-        y[r * N + n] = _mm512_reduce_add_ps(t) + tail;
+      for (int64_t j = 0; j < nn; ++j) {
+        const float* mr = mf.data() + j * (ng + 16);
+        for (int r = 0; r < R; ++r) {
+          const float* xsr = xs + r * ng;
+          __m512 t = j == 0 ? acc0[r] : acc1[r];
+          int64_t g = 0;
+          for (; g + 16 <= ng; g += 16) t = _mm512_fmadd_ps(_mm512_loadu_ps(mr + g), _mm512_loadu_ps(xsr + g), t);
+          float tail = 0.f;
+          for (; g < ng; ++g) tail += mr[g] * xsr[g];
+          y[r * N + n + j] = _mm512_reduce_add_ps(t) + tail;
+        }
       }
     }
   });
@@ -187,7 +204,7 @@ _state: dict = {}
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v2", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v3", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(

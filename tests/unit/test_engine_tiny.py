@@ -293,3 +293,17 @@ def test_aborting_the_leader_lets_its_followers_prefill(tiny):
     out = _drain(eng)
     assert set(out) == {"y"} and len(out["y"].token_ids) == 5
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_decode_graph_follows_a_rebound_cache(tiny, reference):
+    """Two engines on one loaded model with caches of different sizes, both on the compiled
+    decode graph: the second engine's graph runs on its own cache (the graph is not reused with the
+    first cache's shapes), and both give the reference output."""
+    folder, _ = tiny
+    fast = KERNELS[1]
+    a = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=fast)
+    check_all(a.generate([reference[0][0]], GREEDY), reference)
+    b = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels=fast)
+    assert b.engine.num_blocks != a.engine.num_blocks
+    check_all(b.generate([reference[i][0] for i in range(3)], GREEDY), reference)
+    assert graph_ran(a, fast) and graph_ran(b, fast)
