@@ -33,7 +33,7 @@ CONFIGS = [
     ("synthetic long prompt, 48 MiB KV (preemption; unseen until round 5)", "SYNTH", 16, "48MiB"),
     ("sharegpt, 128 requests, 64 MiB KV (preemption; unseen until round 5)", "sharegpt", 128, "64MiB"),
     # added with the decode graph (issue 14): code, chat and long documents in one trace
-    ("mixed code + chat + long documents, 32 MiB KV (preemption; new in issue 14)", "MIXED", 48, "32MiB"),
+    ("mixed code + chat + long documents, 48 MiB KV (preemption; new in issue 14)", "MIXED", 48, "48MiB"),
 ]
 
 
