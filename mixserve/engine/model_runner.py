@@ -6,6 +6,7 @@ sequence's context is. Only the rows that sample get logits.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,8 @@ import torch
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from mixserve.models.config import ModelConfig
+
+log = logging.getLogger("mixserve")
 
 # Decode rows are split into a new attention group once the next row's context is shorter than
 # _GROUP_RATIO of the group's longest and the group has _MIN_GROUP rows: less padding to gather.
@@ -110,11 +113,25 @@ class ModelRunner:
                f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/"
                f"{'dense' if q is None else f'int4g{q.group_size}'}")
         graph = DecodeGraph(self.model, self.block_size, -(-max_model_len // self.block_size), rows)
-        pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
+        forwards = self.num_forwards
+        try:
+            pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
+            if pick == "compiled":
+                warm_up(self, graph)
+        except ValueError:  # an override naming no candidate: the caller's error
+            raise
+        except Exception as e:  # Inductor could not compile here (no compiler, an op it cannot take)
+            log.warning("decode graph unavailable, decode steps run eager: %s: %s", type(e).__name__, e)
+            for kc, vc in zip(self.k_caches, self.v_caches):
+                kc.zero_()
+                vc.zero_()
+            self.num_forwards = forwards
+            self.graph, self.graph_choice = None, f"eager (compile failed: {type(e).__name__})"
+            return self.graph_choice
+        # the timing and warm-up steps are not the engine's
+        self.num_forwards, graph.num_steps = forwards, 0
         self.graph = graph if pick == "compiled" else None
         self.graph_choice = pick
-        if self.graph is not None:
-            warm_up(self, graph)
         return pick
 
     def _slot_tensor(self, table: list[int], start: int, end: int) -> torch.Tensor:

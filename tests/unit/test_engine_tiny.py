@@ -307,3 +307,18 @@ def test_decode_graph_follows_a_rebound_cache(tiny, reference):
     assert b.engine.num_blocks != a.engine.num_blocks
     check_all(b.generate([reference[i][0] for i in range(3)], GREEDY), reference)
     assert graph_ran(a, fast) and graph_ran(b, fast)
+
+
+def test_decode_graph_that_cannot_compile_falls_back_to_eager(tiny, reference, monkeypatch):
+    """A graph that fails at engine start (no compiler, an op Inductor cannot take) leaves the
+    engine on eager decode steps, says so, and loses nothing."""
+    from mixserve.engine import decode_graph
+
+    def fail(self, items, block_table):
+        raise RuntimeError("C++ compile failed")
+
+    monkeypatch.setattr(decode_graph.DecodeGraph, "run", fail)
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
+    assert llm.engine.runner.graph is None and "compile failed" in llm.engine.describe()
+    check_all(llm.generate([reference[i][0] for i in range(3)], GREEDY), reference)
