@@ -57,22 +57,22 @@ def max_graph_rows(model, limit: int) -> int:
 
 
 def _weight_guards_dropped(entries) -> list[bool]:
-    """Dynamo's guards without those on the model's weights: checking every weight tensor on every
-    call cost ~0.8 ms a step for the 0.5B, and the weights do not change once the kernels are
-    chosen, which is before a graph is made. Guards on the inputs, the shapes and the KV caches
+    """Dynamo's guards without those on the model's weights (named `self.<module path>` in the
+    entries it passes): they re-check every weight tensor on every call, and the weights do not
+    change once the kernels are chosen, which is before a graph is made. Guards on the inputs, the shapes and the KV caches
     (rebound when another engine shares the model) stay."""
-    return [not (e.guard_type == "TENSOR_MATCH" and e.name.startswith("L['self']") and "_cache" not in e.name)
-            for e in entries]
+    return [not (e.guard_type == "TENSOR_MATCH" and e.name.startswith(("self.", "L['self']"))
+                 and "_cache" not in e.name) for e in entries]
 
 
-def _own_code(method):
-    """`method` rebound over a copy of its code object. Dynamo keeps compiled graphs per code
-    object: a copy each keeps one DecodeGraph's graphs (and their recompile budget) apart from
-    another model's in the process (a draft model) and from its other row-count graph, since
-    the weights, whose guards are dropped, no longer tell them apart."""
-    f = method.__func__
-    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    return types.MethodType(g, method.__self__)
+def _own_function(fn):
+    """A copy of the plain function `fn` (an unbound method) over a copy of its code object.
+    Dynamo keeps compiled graphs, and their recompile budget, per code object: compiling a bound
+    method would put every DecodeGraph of the process under one shared wrapper frame (after ~4
+    engines the budget ran out and steps silently ran uncompiled), and its guards would name the
+    weights `L['fn'].__self__...`, past `_weight_guards_dropped`. Called as fn(model, ...), the
+    copy's frame names the model `L['self']`."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class DecodeGraph:
@@ -91,8 +91,8 @@ class DecodeGraph:
         self.max_rows = max_rows
         # one graph for 1 row, one with the row count dynamic (>= 2)
         opts = {"guard_filter_fn": _weight_guards_dropped}
-        self.fn1 = torch.compile(_own_code(model.decode), dynamic=False, options=opts)
-        self.fn = torch.compile(_own_code(model.decode), dynamic=True, options=opts)
+        self.fn1 = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
+        self.fn = torch.compile(_own_function(type(model).decode), dynamic=True, options=opts)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long)
         self.positions = torch.zeros(max_rows, dtype=torch.long)
         self.slots = torch.zeros(max_rows, dtype=torch.long)
@@ -128,8 +128,8 @@ class DecodeGraph:
         which = "1 row" if n == 1 else "2+ rows"
         t0 = time.perf_counter() if which not in self.compile_s else None
         with torch.inference_mode():
-            out = (self.fn1 if n == 1 else self.fn)(self.input_ids[:n], self.positions[:n], self.slots[:n],
-                                                    self.tables[:n], self.lens[:n])
+            out = (self.fn1 if n == 1 else self.fn)(self.model, self.input_ids[:n], self.positions[:n],
+                                                    self.slots[:n], self.tables[:n], self.lens[:n])
         if t0 is not None:
             self.compile_s[which] = time.perf_counter() - t0
         self.num_steps += 1

@@ -128,13 +128,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
 
-    @torch.inference_mode()
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """A decode-only step, one token per row, every row sampled: the form the decode graph
         captures (engine/decode_graph.py), with attention through the paged kernel
         (layers/paged_decode.py). input_ids, positions, slot_mapping, context_lens: int64 [B];
-        block_tables: int64 [B, max_blocks]. Returns float32 logits [B, vocab_size]."""
+        block_tables: int64 [B, max_blocks]. Returns float32 logits [B, vocab_size]. Undecorated
+        (the caller runs it under inference_mode): the graph's compiled code is kept per code object
+        of this very function, which a decorator's wrapper would share between all graphs."""
         x = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions)
         meta = (slot_mapping, block_tables, context_lens)

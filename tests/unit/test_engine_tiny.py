@@ -322,3 +322,19 @@ def test_decode_graph_that_cannot_compile_falls_back_to_eager(tiny, reference, m
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
     assert llm.engine.runner.graph is None and "compile failed" in llm.engine.describe()
     check_all(llm.generate([reference[i][0] for i in range(3)], GREEDY), reference)
+
+
+def test_many_engines_in_one_process_each_get_a_compiled_graph(tiny, reference):
+    """Each DecodeGraph keeps its own compiled code (and recompile budget): the sixth engine in a
+    process still compiles its own graphs instead of falling back to uncompiled code silently."""
+    folder, _ = tiny
+    for i in range(6):
+        llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1],
+                  block_size=(16, 8)[i % 2])
+        g = llm.engine.runner.graph
+        assert set(g.compile_s) == {"1 row", "2+ rows"}
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    code = g.fn._torchdynamo_orig_callable.__code__
+    assert len(_debug_get_cache_entry_list(code)) == 1  # its own compiled entry, in its own code
+    check_all(llm.generate([reference[0][0]], GREEDY), reference)
