@@ -195,9 +195,7 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         ctx = torch.tensor([it.start + 1 for it in decode[start:end]])
-        ar = torch.arange(max_blocks * bs)
-        bias = torch.zeros(end - start, max_blocks * bs).masked_fill_(ar[None, :] >= ctx[:, None], float("-inf"))
-        meta.decode_groups.append(DecodeGroup(start, end, bt, bias, ctx))
+        meta.decode_groups.append(DecodeGroup(start, end, bt, ctx))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate K/V of src blocks into dst blocks in every layer."""

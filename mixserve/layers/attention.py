@@ -57,9 +57,9 @@ class DecodeGroup:
 
     block_tables: LongTensor [rows, max_blocks], each row's block table padded with block 0
         (whole blocks are gathered: 1/block_size as many indices as slots).
-    bias: float32 [rows, max_blocks * block_size], 0 for real context positions, -inf for
-        padding and the unwritten tail of the last block.
     context_lens: int64 [rows], each row's context in tokens (the "paged" kernel reads only these).
+    The padding bias of the gathering kernels ("sdpa", "bmm") is derived from these on first use
+    (`padding_bias`), so a step on the paged kernel never builds it.
     Rows are grouped by context length so that a short context is not padded to the longest one
     in a large batch.
     """
@@ -67,16 +67,24 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor
-    bias: torch.Tensor
     context_lens: torch.Tensor
     _masks: dict = field(default_factory=dict, repr=False)
 
-    def sdpa_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """bias as SDPA's additive mask [rows, 1, 1, L] in `dtype`, made once per step (every
-        layer attends with the same mask)."""
+    def padding_bias(self, block_size: int) -> torch.Tensor:
+        """float32 [rows, max_blocks * block_size]: 0 for real context positions, -inf for padding
+        and the unwritten tail of the last block; made once per step (every layer shares it)."""
+        b = self._masks.get("bias")
+        if b is None:
+            ar = torch.arange(self.block_tables.shape[1] * block_size)
+            b = torch.zeros(self.block_tables.shape[0], len(ar))
+            b = self._masks["bias"] = b.masked_fill_(ar[None, :] >= self.context_lens[:, None], float("-inf"))
+        return b
+
+    def sdpa_mask(self, dtype: torch.dtype, block_size: int) -> torch.Tensor:
+        """padding_bias as SDPA's additive mask [rows, 1, 1, L] in `dtype`, made once per step."""
         m = self._masks.get(dtype)
         if m is None:
-            m = self._masks[dtype] = self.bias[:, None, None, :].to(dtype)
+            m = self._masks[dtype] = self.padding_bias(block_size)[:, None, None, :].to(dtype)
         return m
 
 
@@ -118,12 +126,13 @@ def paged_attention(
                 out[g.start:g.end] = paged_decode(q[g.start:g.end], k_cache, v_cache, g.block_tables,
                                                   g.context_lens, scale)
                 continue
+            bs = k_cache.shape[1]
             kd = k_cache[g.block_tables].flatten(1, 2)  # [rows, max_blocks * block_size, kvh, d]
             vd = v_cache[g.block_tables].flatten(1, 2)
             if decode == "bmm":
-                out[g.start:g.end] = _decode_attention(q[g.start:g.end], kd, vd, g.bias, scale)
+                out[g.start:g.end] = _decode_attention(q[g.start:g.end], kd, vd, g.padding_bias(bs), scale)
             else:
-                out[g.start:g.end] = _decode_sdpa(q[g.start:g.end], kd, vd, g.sdpa_mask(q.dtype), scale)
+                out[g.start:g.end] = _decode_sdpa(q[g.start:g.end], kd, vd, g.sdpa_mask(q.dtype, bs), scale)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, d]
         if span.gather is None:

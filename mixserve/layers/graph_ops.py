@@ -2,7 +2,7 @@
 
 Inductor lowers `mkldnn._linear_pointwise` only for weights it prepacked itself while freezing a
 graph, and freezing folds every weight into the compiled artifact, so that nothing is reused from
-Inductor's cache by the next process (each start recompiles, ~15 s a graph for the 0.5B). Our
+Inductor's cache by the next process (each start recompiles the graph). Our
 DenseLinear prepacks its own weight (the "onednn" kernel choice); this op hands that weight to
 oneDNN from C++, opaque to Inductor, so the graph is compiled without freezing, cached across
 processes, and the weight stays one resident copy.

@@ -22,7 +22,6 @@ import torch
 from mixserve.layers.cpp_build import build_extension
 
 CHUNK = 128  # input channels per 64-byte chunk (and per activation scale)
-MAX_ROWS = 8  # rows handled in one pass over the weights; more rows go to the other int4 paths
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -242,7 +241,8 @@ def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch
     """y = x @ W^T for W[n, k] = q * s[n, g] + m[n, g] (g = k // group_size).
 
     Args:
-        x: [R, K] any float dtype (computed from float32; R <= MAX_ROWS is what it is fast at).
+        x: [R, K] any float dtype (computed from float32). Rows go through the weights four at a time,
+            so its lead is at 1-2 rows (decode); the caller's dense switch takes many rows.
         w: uint8 [N, K / 2] from `pack`; s, m: float16 [N, K / group_size].
     Returns:
         float32 [R, N].

@@ -13,7 +13,7 @@ candidates on the model's own shapes, made once per CPU model and torch version 
 - `int4_kernel/<dtype>/<out>x<in>g<group>`: "torch" (PyTorch's int4 kernel, bf16 activations) or
   "vnni" (layers/int4_vnni.py: int8 activations x int4 weights, AVX512-VNNI), at 1 and 4 rows;
 - `int4_dense_rows/<dtype>/<out>x<in>[/vnni]`: the row count from which dequantize + dense GEMM beats
-  PyTorch's int4 kernel ("never": the int4 kernel at every row count);
+  the chosen few-row int4 kernel ("never": that kernel at every row count);
 - `decode_graph/<dtype>/<model shape>/<weights>`: "eager" steps or the "compiled" decode graph
   (engine/decode_graph.py), timed as whole decode steps of the model at 1 and 8 rows.
 

@@ -140,7 +140,9 @@ class Int4Linear(nn.Module):
 
     Few rows (decode): PyTorch's CPU int4 kernel `aten._weight_int4pack_mm_for_cpu`, which reads
     half a byte per weight. Its dequantization is w = (q - 8) * scale + zero', so AWQ's integer
-    zero point z becomes zero' = (8 - z) * scale. From `dense_rows` rows (prefill, large batches;
+    zero point z becomes zero' = (8 - z) * scale. Or, where `set_kernel("vnni")` is chosen by
+    timing (`int4_kernel_candidates`), int8 activations x int4 weights in our own layout
+    (layers/int4_vnni.py). From `dense_rows` rows (prefill, large batches;
     None: never, the default) the weight is dequantized for the call and the ordinary dense GEMM
     runs, where that beats the int4 kernel: where it does is measured per machine
     (`int4_candidates`, layers/kernel_choice.py). Only the packed integers stay resident (0.5 byte
