@@ -73,6 +73,98 @@ static void run(const uint8_t* p, const S* sc, const S* zp, O* out, int64_t n, i
   });
 }
 
+// The transposed form, out[k][n] (the weight as [in, out]), for the many-row GEMM: a 64-row block
+// stores both nibbles of its rows side by side per input channel, so each channel's 64 outputs are one
+// contiguous run and the loop vectorizes without a byte transpose (a GEMM reads W^T as fast as W).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+static inline void store16(uint16_t* o, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+#endif
+
+template <typename S, typename O>
+static void run_kn(const uint8_t* p, const S* sc, const S* zp, O* out, int64_t n, int64_t k, int64_t g) {
+  const int64_t n64 = n / 64, nt = n - n64 * 64, ng = k / g;
+  at::parallel_for(0, (k + 31) / 32, 1, [&](int64_t t0, int64_t t1) {
+    // one group's scale and offset for every output row, gathered when the tile's group changes
+    // (a tile of 32 channels lies in one group: g is a multiple of 32)
+    std::vector<float> sf(n), mf(n);
+    int64_t cur = -1;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k0 = t * 32, k1 = std::min<int64_t>(k, k0 + 32);
+      if (k0 / g != cur) {
+        cur = k0 / g;
+        for (int64_t r = 0; r < n; ++r) {
+          const float a = (float)sc[r * ng + cur];
+          sf[r] = a;
+          mf[r] = (float)zp[r * ng + cur] - 8.f * a;
+        }
+      }
+      for (int64_t b = 0; b < n64; ++b) {
+        const uint8_t* blk = p + b * 64 * k / 2;
+        const float* s = sf.data() + b * 64; const float* m = mf.data() + b * 64;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          const uint8_t* src = blk + kk * 32;
+          O* o = out + kk * n + b * 64;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+          const __m256i v = _mm256_loadu_si256((const __m256i*)src);
+          const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+          const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                   _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+          for (int i = 0; i < 4; ++i) {
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part[i]));
+            store16(o + 16 * i, _mm512_fmadd_ps(q, _mm512_loadu_ps(s + 16 * i), _mm512_loadu_ps(m + 16 * i)));
+          }
+#else
+          for (int j = 0; j < 32; ++j) {
+            put((float)(src[j] & 15) * s[j] + m[j], o + j);
+            put((float)(src[j] >> 4) * s[32 + j] + m[32 + j], o + 32 + j);
+          }
+#endif
+        }
+      }
+      if (nt) {  // tail block: rows 2j and 2j + 1 are the low and high nibble of byte [k, j]
+        const uint8_t* blk = p + n64 * 64 * k / 2;
+        const int64_t base = n64 * 64;
+        const float* s = sf.data() + base; const float* m = mf.data() + base;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          O* o = out + kk * n + base;
+          for (int64_t j = 0; j < nt / 2; ++j) {
+            const uint8_t v = blk[kk * (nt / 2) + j];
+            put((float)(v & 15) * s[2 * j] + m[2 * j], o + 2 * j);
+            put((float)(v >> 4) * s[2 * j + 1] + m[2 * j + 1], o + 2 * j + 1);
+          }
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor dequant_kn(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, torch::Tensor out,
+                         int64_t n, int64_t k, int64_t g) {
+  TORCH_CHECK(g % 32 == 0 && k % g == 0, "dequant_kn: group size must divide k and be a multiple of 32");
+  TORCH_CHECK(out.scalar_type() == scales.scalar_type(), "dequant_kn: out in the scales' dtype");
+  if (scales.scalar_type() == at::kBFloat16) {
+    run_kn<at::BFloat16, uint16_t>(packed.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(),
+                                   zeros.data_ptr<at::BFloat16>(),
+                                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, k, g);
+  } else {
+    run_kn<float, float>(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(),
+                         out.data_ptr<float>(), n, k, g);
+  }
+  return out;
+}
+
 // writes into `out` (n * k elements of scales' dtype): the caller reuses one buffer, since a
 // fresh allocation this large is mmap-ed and its page faults cost more than the dequantization
 torch::Tensor dequant(torch::Tensor packed, torch::Tensor scales, torch::Tensor zeros, torch::Tensor out, int64_t n,
@@ -90,7 +182,7 @@ torch::Tensor dequant(torch::Tensor packed, torch::Tensor scales, torch::Tensor 
 """
 
 def _load():
-    return build_extension("mixserve_int4_dequant_v5", _SRC, ["dequant"])
+    return build_extension("mixserve_int4_dequant_v6", _SRC, ["dequant", "dequant_kn"])
 
 
 _local = threading.local()
@@ -123,3 +215,21 @@ def dequantize_int4pack(packed: torch.Tensor, scale_rows: torch.Tensor, zero_row
         raise ValueError(f"out: needs {n * k} contiguous {scale_rows.dtype} elements")
     mod.dequant(packed.contiguous(), scale_rows.contiguous(), zero_rows.contiguous(), out, n, k, group_size)
     return out.view(n, k)
+
+
+def dequantize_int4pack_t(packed: torch.Tensor, scale_rows: torch.Tensor, zero_rows: torch.Tensor, n: int, k: int,
+                          group_size: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The same weight transposed, [k, n] (= W^T, contiguous), in scale_rows' dtype, written into
+    `out` (n * k contiguous elements of that dtype) or a new tensor: the layout's 64-row
+    blocks hold each input channel's 64 outputs side by side, so this form is written with
+    contiguous vector stores. For the many-row GEMM, which reads W^T as fast as W. None when the
+    compiled kernel is unavailable."""
+    mod = _load()
+    if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if out is None:
+        out = torch.empty(k, n, dtype=scale_rows.dtype)
+    elif out.numel() != n * k or out.dtype != scale_rows.dtype or not out.is_contiguous():
+        raise ValueError(f"out: needs {n * k} contiguous {scale_rows.dtype} elements")
+    mod.dequant_kn(packed.contiguous(), scale_rows.contiguous(), zero_rows.contiguous(), out, n, k, group_size)
+    return out.view(k, n)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixserve.layers import bf16_gemv, graph_ops, int4_vnni
-from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
+from mixserve.layers.int4_dequant import dequantize_int4pack, dequantize_int4pack_t, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
 
@@ -247,7 +247,21 @@ class Int4Linear(nn.Module):
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
-        return F.linear(x, self.dense_weight(reuse=True), self.bias)
+        return F.linear(x, self.gemm_weight(), self.bias)
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The dequantized weight as an [out, in] operand for the many-row GEMM, in the thread's
+        scratch buffer (valid until the next such call). From PyTorch's layout it is written as
+        W^T (contiguous [in, out], returned as its transposed view): that layout's 64-row blocks
+        hold each input channel's outputs side by side, so the transposed form is written with
+        vector stores at over twice the rate, and the GEMM reads either form at one speed."""
+        n = self.out_features * self.in_features
+        if self.kernel == "torch" and n <= SCRATCH_MAX_ELEMENTS:
+            wt = dequantize_int4pack_t(self.packed, self.scale_rows, self.zero_rows, self.out_features,
+                                       self.in_features, self.group_size, scratch(n, self.dtype))
+            if wt is not None:
+                return wt.t()
+        return self.dense_weight(reuse=True)
 
 
 _INT4_TENSORS = ("packed", "scales_and_zeros", "scale_rows", "zero_rows", "vq", "vs", "vm")

@@ -272,6 +272,33 @@ def test_compiled_and_eager_dequantization_agree(monkeypatch):
             assert torch.equal(eager, dequantize_groupwise(q, s, z))
 
 
+def test_gemm_weight_is_the_dequantized_weight(monkeypatch):
+    """The many-row path's operand (written transposed from PyTorch's layout, row-major from the
+    VNNI layout) equals dense_weight exactly: with a 16-row tail block, groups of 32 and 128,
+    float32 and bfloat16, and on the eager fallback."""
+    import mixserve.layers.int4_dequant as k
+    from mixserve.layers import int4_vnni
+
+    for out_f, in_f, g, dt in ((80, 96, 32, torch.float32), (208, 384, 128, torch.bfloat16),
+                               (144, 256, 128, torch.float32)):
+        q, s, z = quantize_groupwise(torch.randn(out_f, in_f), g)
+        lin = Int4Linear(q, s, z, g, None, dt)
+        ref = lin.dense_weight().clone()
+        assert torch.equal(lin.gemm_weight(), ref)
+        x = torch.randn(40, in_f).to(dt)
+        lin.dense_rows = 0
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, ref))
+        with monkeypatch.context() as m:
+            m.setattr(k, "_load", lambda: None)
+            assert torch.equal(lin.gemm_weight(), ref)
+        if int4_vnni.available() and int4_vnni.supported(in_f, g):
+            lin.set_kernel("vnni")
+            # float16 scales in this layout: its own exact float math is the reference
+            qv = int4_vnni.unpack(lin.vq).float().view(out_f, in_f // g, g)
+            want = (qv * lin.vs.float()[..., None] + lin.vm.float()[..., None]).view(out_f, in_f).to(dt)
+            assert torch.equal(lin.gemm_weight(), want)
+
+
 def test_int4_linear_checks_shapes_and_takes_awkward_inputs():
     q, s, z = quantize_groupwise(torch.randn(64, 128), 32)
     with pytest.raises(ValueError, match="scales: shape"):
