@@ -2,7 +2,8 @@
 
 Both with the kernels chosen on this machine (kernels auto): int4 linears switch to dequantize +
 dense GEMM at the measured row count, so a prefill pays the dequantization once per layer per step.
-The median of --repeats prefills (each a fresh request, aborted after its first token).
+Both engines are loaded at once and their prefills alternate; the median of --repeats prefills each
+(each a fresh request, aborted after its first token), and the spread of the per-pair ratios.
 
     python benchmarks/prefill_int4.py --model qwen2.5-coder-0.5b-instruct [--tokens 512] [--repeats 5]
 """
@@ -34,22 +35,31 @@ def main():
 
     torch.set_num_threads(2)
     res = {"machine": machine_info(), "config": vars(a), "runs": {}}
+    engines = {}
     for name, kw in (("bf16", {}), ("int4", {"quantization": "rtn", "quant_group_size": 128})):
-        eng = LLMEngine(EngineArgs(model=a.model, kv_cache_memory="256MiB", progress=False,
-                                   max_num_batched_tokens=max(2048, a.tokens), **kw))
-        ids = eng.tokenizer.encode(synthetic_prompt(eng.tokenizer, a.tokens))[:a.tokens]
-        ts = []
-        for _ in range(a.repeats + 1):  # the first pays oneDNN's primitive setup for the shape
+        engines[name] = LLMEngine(EngineArgs(model=a.model, kv_cache_memory="256MiB", progress=False,
+                                             max_num_batched_tokens=max(2048, a.tokens), **kw))
+    tok = engines["bf16"].tokenizer
+    ids = tok.encode(synthetic_prompt(tok, a.tokens))[:a.tokens]
+    ts = {name: [] for name in engines}
+    # alternating prefills, so the host's drift over the run (±10% over minutes here) falls on both
+    for _ in range(a.repeats + 1):  # the first pays oneDNN's primitive setup for the shape
+        for name, eng in engines.items():
             rid = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
             t0 = time.perf_counter()
             eng.step()
-            ts.append(time.perf_counter() - t0)
+            ts[name].append(time.perf_counter() - t0)
             eng.abort(rid)
-        res["runs"][name] = {"median_s": statistics.median(ts[1:]), "seconds": ts[1:], "describe": eng.describe()}
-        print(f"{name}: prefill {len(ids)} tokens {statistics.median(ts[1:]) * 1e3:.1f} ms; {eng.describe()}",
-              flush=True)
-        del eng
-        gc.collect()
+    for name, eng in engines.items():
+        med = statistics.median(ts[name][1:])
+        res["runs"][name] = {"median_s": med, "seconds": ts[name][1:], "describe": eng.describe()}
+        print(f"{name}: prefill {len(ids)} tokens {med * 1e3:.1f} ms; {eng.describe()}", flush=True)
+    ratios = sorted(b / i for b, i in zip(ts["bf16"][1:], ts["int4"][1:]))
+    res["pair_ratios"] = ratios
+    print(f"per-pair int4/bf16 speed ratios: min {ratios[0]:.2f} median {statistics.median(ratios):.2f} "
+          f"max {ratios[-1]:.2f}")
+    del engines
+    gc.collect()
     r = res["runs"]["bf16"]["median_s"] / res["runs"]["int4"]["median_s"]
     res["int4_vs_bf16"] = r
     print(f"int4 prefill speed / bf16: {r:.2f}x ({res['machine']['cpu']}, {res['machine']['date']})")
