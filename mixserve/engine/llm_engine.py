@@ -113,10 +113,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.scheduler.on_free.append(self.proposer.free)
         t1 = time.perf_counter()
-        runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
-        for r in runners:
-            r.choose_int4_prefill_tiles(self.kernels, args.max_num_batched_tokens)
-            r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+        self.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
         self.kernel_choice_s += time.perf_counter() - t1
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}

@@ -7,9 +7,6 @@ sequence's context is. Only the rows that sample get logits.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
-import types
 from dataclasses import dataclass
 
 import torch
@@ -135,49 +132,6 @@ class ModelRunner:
         self.num_forwards, graph.num_steps = forwards, 0
         self.graph = graph if pick == "compiled" else None
         self.graph_choice = pick
-        return pick
-
-    def choose_int4_prefill_tiles(self, chooser, max_tokens: int, tokens: int = 512, repeats: int = 3) -> str | None:
-        """Whether the int4 layers' many-row path runs in L2-sized tiles (layers/linear.py
-        `Int4Linear.tile_rows`, `l2_tiling`) or on the whole dequantized weight, as `chooser`
-        (key `int4_prefill_tiles/...`) measures on whole prefills of min(`tokens`, `max_tokens`)
-        tokens (median of `repeats`, after one untimed): where the GEMM reads a weight from, L2 or
-        memory, depends on the cache sizes and on what a whole step does to them, which a timing of
-        one layer does not see. None where no int4 layer on the many-row path would be tiled."""
-        from mixserve.layers.linear import Int4Linear, l2_tiling
-
-        lins = [m for m in self.model.modules() if isinstance(m, Int4Linear) and m.dense_rows is not None]
-        n = min(tokens, max_tokens, self.num_blocks * self.block_size)
-        if not any(l2_tiling(m) for m in lins) or n < 1:
-            return None
-        c, q = self.cfg, self.model.quant
-        key = (f"int4_prefill_tiles/{str(self.model.dtype).removeprefix('torch.')}/{c.num_layers}x{c.hidden_size}x"
-               f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/int4g{q.group_size}")
-        table = list(range(-(-n // self.block_size)))
-        item = types.SimpleNamespace(seq_id=0, token_ids=[1] * n, start=0, end=n, num_logits=1)
-
-        def setting(tiled: bool):
-            for m in lins:
-                m.tile_rows = l2_tiling(m) if tiled else None
-
-        def timer(tiled: bool):
-            def run():
-                setting(tiled)
-                ts = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    self.run_eager([item], lambda i: table)
-                    ts.append(time.perf_counter() - t0)
-                return statistics.median(ts[1:])
-            return run
-
-        forwards = self.num_forwards
-        pick = chooser.choose(key, {"whole": timer(False), "l2": timer(True)}, "whole")
-        self.num_forwards = forwards  # the timing prefills are not the engine's
-        for kc, vc in zip(self.k_caches, self.v_caches):
-            kc[:len(table)].zero_()
-            vc[:len(table)].zero_()
-        setting(pick == "l2")
         return pick
 
     def _slot_tensor(self, table: list[int], start: int, end: int) -> torch.Tensor:

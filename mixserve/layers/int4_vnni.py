@@ -159,17 +159,18 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::T
 }
 
 // dense weight for the many-row path: out [N, K] (float or bf16 bits) = q * s + m, with vector
-// stores (a scalar bfloat16 conversion per weight ran at a third of the machine's write rate)
+// stores (a scalar bfloat16 conversion per weight ran at a third of the machine's write rate), and
+// non-temporal ones, for the reason given in layers/int4_dequant.py (needs `out` 64-byte aligned)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-static inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+static inline void store16(float* o, __m512 v) { _mm512_stream_ps(o, v); }
 static inline void store16(at::BFloat16* o, __m512 v) {
 #if defined(__AVX512BF16__)
-  _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_stream_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v));
 #else
   __m512i u = _mm512_castps_si512(v);
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  _mm256_storeu_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  _mm256_stream_si256((__m256i*)o, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 #endif
 }
 
@@ -195,6 +196,7 @@ static void dequant_rows(const uint8_t* wp, const at::Half* sp, const at::Half* 
         store16(o + 96, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 2))), a, b));
         store16(o + 112, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 3))), a, b));
       }
+    _mm_sfence();
   });
 }
 #endif
@@ -204,6 +206,7 @@ torch::Tensor dequant(torch::Tensor w, torch::Tensor s, torch::Tensor m, torch::
   TORCH_CHECK(out.is_contiguous() && out.numel() == N * K, "int4_vnni dequant: out needs N * K elements");
   const bool bf = out.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf || out.scalar_type() == at::kFloat, "int4_vnni dequant: float32 or bfloat16 out");
+  TORCH_CHECK((reinterpret_cast<uintptr_t>(out.data_ptr()) & 63) == 0, "int4_vnni dequant: out must be 64-byte aligned");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (bf) dequant_rows(w.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                        out.data_ptr<at::BFloat16>(), N, K, G);
@@ -226,7 +229,7 @@ _state: dict = {}
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v4", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v5", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(
@@ -279,6 +282,7 @@ def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch
 
 def dequantize(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group_size: int, out: torch.Tensor) -> torch.Tensor:
     """The dense weight [N, K] = q * s + m written into `out` (float32 or bfloat16, N * K elements,
-    contiguous), for the many-row path. The caller has checked `available()`."""
+    contiguous, 64-byte aligned as PyTorch's CPU allocations are; RuntimeError otherwise), for the
+    many-row path. The caller has checked `available()`."""
     _load().dequant(w, s, m, out, group_size)
     return out.view(w.shape[0], w.shape[1] * 2)

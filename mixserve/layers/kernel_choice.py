@@ -15,10 +15,6 @@ candidates on the model's own shapes, made once per CPU model and torch version 
 - `int4_dense_rows/<dtype>/<out>x<in>[/vnni]/deq<rev>`: the row count from which dequantize + dense
   GEMM beats the chosen few-row int4 kernel ("never": that kernel at every row count); the key names
   the dequantization kernel's revision, so timings of an older one are not reused;
-- `int4_prefill_tiles/<dtype>/<model shape>/int4g<group>`: the many-row int4 path dequantizes the
-  "whole" weight and runs one GEMM, or does it in "l2" tiles of output rows (layers/linear.py
-  `l2_tiling`: each tile's dequantized weight fits the cores' L2, so the GEMM reads it from there
-  instead of memory), timed as whole prefills of the model;
 - `decode_graph/<dtype>/<model shape>/<weights>`: "eager" steps or the "compiled" decode graph
   (engine/decode_graph.py), timed as whole decode steps of the model at 1 and 8 rows.
 
@@ -51,33 +47,20 @@ log = logging.getLogger("mixserve")
 CACHE_VERSION = 1
 MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
 EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "torch", "int4_dense_rows": "never",
-         "int4_prefill_tiles": "whole", "decode_graph": "eager"}
-
-
-def _cache_sizes() -> dict[int, int]:
-    """{cache level: size in bytes} of cpu0's caches (sysfs; data/unified caches), {} where unknown."""
-    out: dict[int, int] = {}
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (d / "type").read_text().strip() == "Instruction":
-                continue
-            text = (d / "size").read_text().strip().upper()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-            level = int((d / "level").read_text())
-            out[level] = max(out.get(level, 0), int(text.rstrip("KMG")) * mult)
-        except (OSError, ValueError):
-            continue
-    return out
+         "decode_graph": "eager"}
 
 
 def llc_bytes() -> int:
     """Size in bytes of the largest CPU cache (sysfs); 64 MiB where sysfs does not say."""
-    return max(_cache_sizes().values(), default=0) or 64 << 20
-
-
-def l2_bytes() -> int:
-    """Size in bytes of one core's level-2 cache (sysfs); 1 MiB where sysfs does not say."""
-    return _cache_sizes().get(2) or 1 << 20
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 64 << 20
 
 
 def usable_cores() -> int:

@@ -9,7 +9,7 @@ from torch import nn
 
 from mixserve.layers import bf16_gemv, graph_ops, int4_vnni
 from mixserve.layers.int4_dequant import dequantize_int4pack, dequantize_int4pack_t, scratch
-from mixserve.layers.kernel_choice import geomean, l2_bytes, rotating_copies, time_calls
+from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -105,31 +105,12 @@ def dense_candidates(out_features: int, in_features: int, dtype: torch.dtype) ->
 
 # revision of the many-row path's dequantization (gemm_weight): part of the int4_dense_rows key, so
 # a switch point timed with an older, slower dequantization is measured again
-DEQUANT_REV = 2
+DEQUANT_REV = 3
 # Row counts at which the int4 kernel and dequantize + dense GEMM are timed to place the switch
 INT4_ROWS = (1, 4, 16, 32, 64, 128, 512)
 # largest weight (elements) dequantized into the reused scratch buffer: a 1.5B's fused gate/up
 # (27.5M) fits; larger ones get a fresh tensor per call
 SCRATCH_MAX_ELEMENTS = 32 << 20
-
-
-def l2_tile_rows(in_features: int, dtype: torch.dtype, threads: int | None = None) -> int:
-    """Output rows per tile of the many-row int4 path's "l2" tiling: the most, in whole 64-row
-    blocks (PyTorch's int4 layout), whose dequantized weight fits the L2 caches of the cores the
-    GEMM runs on (sysfs), so the GEMM reads the tile from L2 rather than memory. At least 64."""
-    threads = threads or torch.get_num_threads()
-    per_row = in_features * torch.finfo(dtype).bits // 8
-    return max(64, l2_bytes() * threads // per_row // 64 * 64)
-
-
-def l2_tiling(lin: "Int4Linear") -> int | None:
-    """The "l2" candidate's tile for this layer: `l2_tile_rows`, where the layer has more output
-    rows than that and the tile is at least half as wide as it is deep (in_features / 2); else
-    None (whole weight). Narrower tiles cost the GEMM more than the memory traffic they save: on
-    the AVX-512 Xeon, 512 rows x 896 took 1.7x the time per row of 1024 or more, and a
-    down projection's L2 tile (224-384 rows of 4864-8960) lost to the whole weight."""
-    t = l2_tile_rows(lin.in_features, lin.dtype)
-    return t if t < lin.out_features and 2 * t >= lin.in_features else None
 
 
 def _unpack_int4pack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -206,7 +187,6 @@ class Int4Linear(nn.Module):
         self.zero_rows = zero.to(dtype)
         self.kernel = "torch"  # or "vnni" (set_kernel): layers/int4_vnni.py, its own weight layout
         self.vq = self.vs = self.vm = None
-        self.tile_rows = None  # many-row path in tiles of this many output rows (None: whole weight)
 
     def set_kernel(self, kernel: str) -> None:
         """Few-row kernel: "torch" (PyTorch's int4 kernel, the default) or "vnni" (int8 activations
@@ -270,49 +250,22 @@ class Int4Linear(nn.Module):
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
-        tile = self.tile_rows
-        if tile is None or tile >= self.out_features or x.device.type != "cpu":
-            return F.linear(x, self.gemm_weight(), self.bias)
-        # tiles of output rows: each tile's dequantized weight is still in L2 when its GEMM reads it
-        # (one whole dequantized weight goes out to memory and back); results land in column slices
-        x2 = x.reshape(rows, -1)
-        y = torch.empty(rows, self.out_features, dtype=self.dtype)
-        for n0 in range(0, self.out_features, tile):
-            n1 = min(self.out_features, n0 + tile)
-            if self.bias is None:
-                torch.mm(x2, self.gemm_weight(n0, n1).t(), out=y[:, n0:n1])
-            else:
-                torch.addmm(self.bias[n0:n1], x2, self.gemm_weight(n0, n1).t(), out=y[:, n0:n1])
-        return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.gemm_weight(), self.bias)
 
-    def gemm_weight(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Output rows start:end (a multiple of 64 apart, or to the end) of the dequantized weight,
-        [end - start, in], for the many-row GEMM, in the thread's scratch buffer (valid until the
-        next such call). From PyTorch's layout it is written as W^T (contiguous [in, rows],
-        returned as its transposed view): that layout's 64-row blocks hold each input channel's
-        outputs side by side, so the transposed form is written with vector stores at over twice
-        the rate, and the GEMM reads either form at one speed."""
-        end = self.out_features if end is None else end
-        rows, k = end - start, self.in_features
-        if (start, end) == (0, self.out_features):
-            if self.kernel == "torch" and rows * k <= SCRATCH_MAX_ELEMENTS:
-                wt = dequantize_int4pack_t(self.packed, self.scale_rows, self.zero_rows, rows, k, self.group_size,
-                                           scratch(rows * k, self.dtype))
-                if wt is not None:
-                    return wt.t()
-            return self.dense_weight(reuse=True)
-        if start % 64 or (end % 64 and end != self.out_features):
-            raise ValueError(f"gemm_weight: rows {start}:{end} are not whole 64-row blocks")
-        buf = scratch(rows * k, self.dtype)
-        if self.kernel == "vnni":
-            return int4_vnni.dequantize(self.vq[start:end], self.vs[start:end], self.vm[start:end], self.group_size,
-                                        buf)
-        packed = self.packed.reshape(-1)[start * k // 2:end * k // 2]
-        wt = dequantize_int4pack_t(packed, self.scale_rows[start:end], self.zero_rows[start:end], rows, k,
-                                   self.group_size, buf)
-        if wt is not None:
-            return wt.t()
-        return self.dense_weight()[start:end]
+    def gemm_weight(self) -> torch.Tensor:
+        """The dequantized weight as an [out, in] operand for the many-row GEMM, in the thread's
+        scratch buffer (valid until the next such call). From PyTorch's layout it is written as
+        W^T (contiguous [in, out], returned as its transposed view): that layout's 64-row blocks
+        hold each input channel's outputs side by side, so the transposed form is written with
+        vector stores at over twice the rate, and the GEMM reads either form at one speed. Both
+        layouts' kernels write with non-temporal stores (layers/int4_dequant.py)."""
+        n = self.out_features * self.in_features
+        if self.kernel == "torch" and n <= SCRATCH_MAX_ELEMENTS:
+            wt = dequantize_int4pack_t(self.packed, self.scale_rows, self.zero_rows, self.out_features,
+                                       self.in_features, self.group_size, scratch(n, self.dtype))
+            if wt is not None:
+                return wt.t()
+        return self.dense_weight(reuse=True)
 
 
 _INT4_TENSORS = ("packed", "scales_and_zeros", "scale_rows", "zero_rows", "vq", "vs", "vm")

@@ -196,32 +196,6 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
     if graph is not None:
         assert set(graph.compile_s) == {"1 row", "2+ rows"} and graph.num_steps > 0
 
-def test_int4_prefill_tiles_equal_the_whole_weight(tiny, monkeypatch):
-    """The "l2" tiling of the many-row int4 path (tiles of output rows, results in column slices)
-    is set on the layers it takes and leaves greedy output as on the whole weight; the eager
-    override keeps it off."""
-    import mixserve.layers.linear as lin
-
-    folder, _ = tiny
-    monkeypatch.setattr(lin, "l2_bytes", lambda: 1)  # 64-row tiles: the tiny model's 128-row layers split
-    common = dict(dtype="float32", kv_cache_memory="8MiB", block_size=8, progress=False, quantization="rtn",
-                  quant_group_size=32)
-    whole = LLM(folder, kernels="int4_dense_rows=4,int4_prefill_tiles=whole", **common)
-    tiled = LLM(folder, kernels="int4_dense_rows=4,int4_prefill_tiles=l2", **common)
-    tiles = [m.tile_rows for m in tiled.engine.model.modules() if isinstance(m, lin.Int4Linear)]
-    assert 64 in tiles and all(t is None for t in (m.tile_rows for m in whole.engine.model.modules()
-                                                       if isinstance(m, lin.Int4Linear)))
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ps = prompts(3, seed=7)
-    for x, y in zip(whole.generate(ps, sp), tiled.generate(ps, sp)):
-        if x.token_ids != y.token_ids:
-            c = compare_greedy(y.token_ids, x.token_ids, engine_logits_along(whole.engine, x.prompt_token_ids,
-                                                                             x.token_ids))
-            assert c.ok, f"diverged at {c.position} (gap {c.gap})"
-    eager = LLM(folder, kernels="eager", **common)
-    assert all(getattr(m, "tile_rows", None) is None for m in eager.engine.model.modules())
-
-
 def test_engine_describes_its_kernels(tiny):
     folder, _ = tiny
     llm = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False,
