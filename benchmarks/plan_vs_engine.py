@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -111,11 +112,19 @@ def main() -> int:
         ps = PlanSettings(kv_bytes=parse_bytes(kv), max_model_len=a.max_model_len, slo={})
         res = Planner(cfg, sm, hw, reqs, ps).run(Variant("baseline"))
         rep = res.report
+        tpots = {}
+        for q, m in zip(reqs, res.metrics):
+            if m is not None and m.tpot is not None:
+                tpots.setdefault(q.tag, []).append(m.tpot)
         preds["configs"][name] = {"dataset": ds, "num_prompts": num, "kv_cache_memory": kv,
                                   "output_tokens_per_s": rep["output_tokens_per_s"],
                                   "tpot_p50_s": rep["tpot_s"]["p50"], "ttft_p50_s": rep["ttft_s"]["p50"],
                                   "duration_s": rep["duration_s"], "preemptions": res.num_preemptions,
-                                  "peak_kv_blocks": res.peak_kv_blocks}
+                                  "peak_kv_blocks": res.peak_kv_blocks,
+                                  # the distribution behind the median, for the comparison below
+                                  "tpot_sorted_s": sorted(t for v in tpots.values() for t in v),
+                                  "per_tag_tpot_s": {t: {"p50": statistics.median(v), "mean": statistics.mean(v)}
+                                                     for t, v in sorted(tpots.items())}}
         print(f"predicted {name}: {rep['output_tokens_per_s']:.1f} out tok/s, TPOT p50 "
               f"{rep['tpot_s']['p50'] * 1e3:.1f} ms, {res.num_preemptions} preemptions", flush=True)
     if old is not None:
@@ -144,6 +153,15 @@ def main() -> int:
         row["throughput_err_pct"] = 100 * (row["pred_out_tok_s"] / row["meas_out_tok_s"] - 1)
         row["tpot_err_pct"] = 100 * (row["pred_tpot_p50_ms"] / row["meas_tpot_p50_ms"] - 1)
         row["within_15pct"] = abs(row["throughput_err_pct"]) <= 15 and abs(row["tpot_err_pct"]) <= 15
+        # the two middle ranks of TPOT (the median is their mean for an even count), and per tag
+        meas = sorted(r["tpot_s"] for r in m.get("requests", []) if r["tpot_s"] is not None)
+        pred = p.get("tpot_sorted_s", [])
+        mid = lambda v: [round(1e3 * x, 1) for x in v[(len(v) - 1) // 2:len(v) // 2 + 1]]  # noqa: E731
+        row["tpot_middle_ranks_ms"] = {"pred": mid(pred), "meas": mid(meas)}
+        row["per_tag_tpot_ms"] = {
+            t: {"pred_p50": 1e3 * v["p50"], "meas_p50": 1e3 * m["per_tag"][t]["tpot_s"]["p50"],
+                "pred_mean": 1e3 * v["mean"], "meas_mean": 1e3 * m["per_tag"][t]["tpot_s"]["mean"]}
+            for t, v in p.get("per_tag_tpot_s", {}).items() if t in m.get("per_tag", {})}
         rows.append(row)
         out.write_text(json.dumps({"predictions": preds, "rows": rows, "machine": machine_info()}, indent=1))
 
@@ -153,6 +171,12 @@ def main() -> int:
         print(f"{r['config']:44} {r['pred_out_tok_s']:14.1f} {r['meas_out_tok_s']:8.1f} {r['throughput_err_pct']:+6.1f}% "
               f"{r['pred_tpot_p50_ms']:12.1f}ms {r['meas_tpot_p50_ms']:6.1f}ms {r['tpot_err_pct']:+6.1f}% "
               f"{r['pred_preemptions']:>5}/{r['meas_preemptions']:<5}")
+    for r in rows:
+        if r["per_tag_tpot_ms"]:
+            print(f"{r['config']}: TPOT middle ranks pred {r['tpot_middle_ranks_ms']['pred']} ms, meas "
+                  f"{r['tpot_middle_ranks_ms']['meas']} ms; per tag p50 / mean pred -> meas: " + "; ".join(
+                      f"{t} {v['pred_p50']:.0f} -> {v['meas_p50']:.0f} / {v['pred_mean']:.0f} -> {v['meas_mean']:.0f}"
+                      for t, v in r["per_tag_tpot_ms"].items()))
     print(f"wrote {out}")
     return 0
 

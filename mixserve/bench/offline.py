@@ -24,7 +24,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     of reserved slot-seconds that held no K/V, sum(step s * (reserved - written)) /
     sum(step s * reserved) with each sample weighted by the wall time of the step before it;
     `kv_waste_pct_at_peak` is the waste after the first step that reached `peak_running_seqs`.
-    Engine counters (preemptions, steps, peak blocks) count this run only.
+    Engine counters (preemptions, steps, peak blocks) count this run only. `requests`: per request
+    (request order) its tag, token counts, TTFT, TPOT and end-to-end seconds.
     """
     ids = []
     for i, r in enumerate(requests):
@@ -82,6 +83,10 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                      spec_k_histogram={str(k): engine.controller.history.count(k)
                                        for k in sorted(set(engine.controller.history))})
     report = build_report(metrics, duration, extra)
+    # per request, in request order: what the percentiles summarize (a planner's per-request
+    # prediction is compared against these, and a median that falls between clusters shows here)
+    report["requests"] = [{"tag": r.tag, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
+                           "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e} for m, r in zip(metrics, requests)]
     tags = sorted({r.tag for r in requests})
     if len(tags) > 1:  # a user's own mix: the same measures per slice, over the same wall time
         report["per_tag"] = {t: build_report([m for m, r in zip(metrics, requests) if r.tag == t], duration)

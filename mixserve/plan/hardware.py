@@ -34,6 +34,7 @@ DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
 DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
 PROFILE_VERSION = 1
+OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
 
 def _time(fn, repeats: int, warmup: int = 1) -> float:
@@ -103,14 +104,17 @@ def _rotating_timer(lin, nbytes: int):
     return timer
 
 
-def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int) -> list[int]:
-    """A matmul never gets much faster with more rows, so a point over twice the time of the next
-    larger one was disturbed (another process, a thread wake-up): time it again, keeping the
-    smaller median, up to twice. Updates ts in place; returns the rows still out of order."""
+def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int,
+             slack: float = 1.15) -> list[int]:
+    """A matmul never gets much faster with more rows, so a point over `slack` times the next
+    larger one was probably disturbed (another process, a thread wake-up): time it again, keeping
+    the smaller median, up to twice. (A 1-row gate/up at 1.20 ms beside 0.76 ms at 2 rows once put
+    3 ms on the fitted per-step overhead.) Updates ts in place; returns the rows still over twice
+    the next larger one's time."""
     suspect = []
     for i in range(len(rows) - 2, -1, -1):
         for _ in range(2):
-            if ts[i] <= 2 * ts[i + 1]:
+            if ts[i] <= slack * ts[i + 1]:
                 break
             x = torch.randn(rows[i], in_features).to(dtype)
             ts[i] = min(ts[i], timer(x, 2 * repeats))
@@ -246,17 +250,46 @@ def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 def fit_overhead(decode: list[dict], prefill: list[dict]) -> list[float]:
     """[a, b, c] seconds of overhead = a + b * seqs + c * tokens from engine-step points
     ({"seqs", "tokens", "seconds", "predicted_compute"}): a and b (>= 0) by least squares on the
-    decode points' residuals alone, then c (>= 0) as the median per-token residual of the prefill
+    decode points' residuals alone, each weighted by 1 / predicted_compute, then c (>= 0) as the median per-token residual of the prefill
     points after a + b (0 without prefill points). See probe_overhead for why."""
-    X = np.array([[1.0, p["seqs"]] for p in decode])
-    y = np.array([p["seconds"] - p["predicted_compute"] for p in decode])
+    # each point weighted by 1 / its predicted compute: the residual's noise is a share of the step
+    # (the host drifts by a few percent), so a 64-row step's ±10 ms must not outvote the 1-row step
+    w = np.array([1.0 / max(p["predicted_compute"], 1e-6) for p in decode])
+    X = np.array([[1.0, p["seqs"]] for p in decode]) * w[:, None]
+    y = np.array([p["seconds"] - p["predicted_compute"] for p in decode]) * w
     a, b = fit_nonneg(X, y)
     per_token = [(p["seconds"] - p["predicted_compute"] - a - b) / p["tokens"] for p in prefill]
     return [a, b, max(0.0, statistics.median(per_token)) if per_token else 0.0]
 
 
+def overhead_engine(model: str, dtype):
+    """The engine `probe_overhead` steps (its own kernel choices, a 256 MiB cache)."""
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
+                                max_num_batched_tokens=4096, max_model_len=2048))
+
+
+def live_linear_seconds(model, rows: int, repeats: int) -> float:
+    """Median seconds of one pass of `rows` random rows through every linear of `model` (an
+    engine's, all layers then the LM head, in module order), as a decode step streams them: the
+    machine's linear speed at this moment, for `probe_overhead`'s drift correction."""
+    from mixserve.layers.linear import DenseLinear, Int4Linear
+
+    lins = [m for m in model.modules() if isinstance(m, (DenseLinear, Int4Linear))]
+    xs = {k: torch.randn(rows, k).to(model.dtype) for k in {m.in_features for m in lins}}
+
+    def one():
+        for m in lins:
+            m(xs[m.in_features])
+    with torch.inference_mode():
+        return _time(one, repeats)
+
+
 def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
-                   decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> dict:
+                   decode_batches: tuple[int, ...] = OVERHEAD_DECODE_BATCHES, engine=None,
+                   reference: dict | None = None) -> dict:
     """Real engine steps minus the linear + attention time `partial` predicts for them.
 
     Decode batches of `decode_batches` rows (32-token prompts, the median of `repeats` steps each)
@@ -266,13 +299,14 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
     a + b. Prefill residuals are not used for a and b: there the matmul time is tens of times
     the overhead, so their residual is mostly the linear tables' own error, and one such point
     once pulled the per-step constant from 25 ms to 9 ms and invented a per-sequence term.
+    Drift: the tables were timed minutes before these steps, and the host's speed drifts by a few
+    percent over minutes, as much as the 1-row overhead itself. With `reference` ({rows: seconds
+    of `live_linear_seconds` on `engine`'s model, timed right after the tables}), each decode
+    point's predicted linear time is scaled by the same timing repeated right after its steps.
     Returns {"points", "fit": [a, b, c] seconds, "terms"}."""
-    from mixserve.engine.args import EngineArgs
-    from mixserve.engine.llm_engine import LLMEngine
     from mixserve.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
-                               max_num_batched_tokens=4096, max_model_len=2048))
+    eng = engine or overhead_engine(model, dtype)
     sm = MeasuredModel(eng.cfg, {**partial, "overhead": {"fit": [0.0, 0.0, 0.0]}})
     pts = []
     sp = SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0.0)
@@ -290,10 +324,15 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
             t0 = time.perf_counter()
             eng.step()
             ts.append(time.perf_counter() - t0)
-            pred.append(sm.step_time(StepBatch(ctx, [], b)))
+            pred.append(sm.breakdown(StepBatch(ctx, [], b)))
             ctx = [c + 1 for c in ctx]
-        pts.append({"seqs": b, "tokens": b, "seconds": statistics.median(ts[1:]),
-                    "predicted_compute": statistics.median(pred[1:])})
+        lin = statistics.median(p["linear"] + p["lm_head"] for p in pred[1:])
+        attn = statistics.median(p["attention"] for p in pred[1:])
+        point = {"seqs": b, "tokens": b, "seconds": statistics.median(ts[1:]), "predicted_compute": lin + attn}
+        if reference and b in reference:
+            drift = live_linear_seconds(eng.model, b, repeats) / reference[b]
+            point.update(predicted_compute=lin * drift + attn, drift=drift)
+        pts.append(point)
         for r in rids:
             eng.abort(r)
     pre = []
@@ -312,7 +351,8 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
         pts.append(ps[len(ps) // 2])
     for p in pts:
         log(f"  engine step seqs={p['seqs']} tokens={p['tokens']}: {p['seconds'] * 1e3:.2f} ms, "
-            f"linear+attention predict {p['predicted_compute'] * 1e3:.2f} ms")
+            f"linear+attention predict {p['predicted_compute'] * 1e3:.2f} ms"
+            + (f" (linears x{p['drift']:.3f}: the machine's speed since the tables)" if "drift" in p else ""))
     log(f"  overhead fit a={fit[0] * 1e3:.3f}ms b={fit[1] * 1e3:.3f}ms/seq c={fit[2] * 1e6:.2f}us/token")
     return {"points": pts, "fit": fit, "terms": ["1", "seqs", "tokens"]}
 
@@ -365,8 +405,14 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         "machine": {**machine_info(), "device": "cpu"},
         "bandwidth_bytes_per_s": bw,
         "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser),
-        "attention": probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser),
     }
+    eng = reference = None
+    if engine_steps:
+        # the engine steps come minutes after the tables: the same linears timed through the
+        # engine now and again then measure the host's drift between the two (probe_overhead)
+        eng = overhead_engine(model, dtype)
+        reference = {b: live_linear_seconds(eng.model, b, repeats) for b in OVERHEAD_DECODE_BATCHES}
+    prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser)
     prof["kernels"] = {"amx": amx, "threads": torch.get_num_threads(),
                        "choices": {c.key: {"name": c.name, "source": c.source, "timings": c.timings}
                                    for c in chooser.choices.values()}}
@@ -374,7 +420,8 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     for line in chooser.describe():
         log(f"    {line}")
     if engine_steps:
-        prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log)
+        prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log, engine=eng, reference=reference)
+        del eng
     else:
         prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],
                             "note": "not measured (--no-engine-steps)"}

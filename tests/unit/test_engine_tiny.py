@@ -220,6 +220,9 @@ def test_offline_bench_reports_per_tag(tiny):
     assert report["per_tag"]["a"]["num_requests"] == 2 and report["per_tag"]["a"]["output_tokens"] == 8
     assert report["per_tag"]["b"]["output_tokens"] == 7
     assert report["extra"]["preemptions"] == 0 and report["extra"]["peak_kv_blocks"] > 0
+    per = report["requests"]  # per request, in request order
+    assert [(r["tag"], r["prompt_tokens"], r["output_tokens"]) for r in per] == [("a", 3, 5), ("b", 2, 7), ("a", 1, 3)]
+    assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and r["tpot_s"] >= 0 for r in per)
 
 
 def _drain(eng):

@@ -184,6 +184,8 @@ def test_probe_retimes_points_that_are_slower_than_more_rows():
     ts = [1.0, 1e-3, 1e-3]  # rows 1 was disturbed: 1 s against 1 ms at rows 2
     assert _recheck(timer(lambda x: x.sum()), [1, 2, 4], ts, 8, torch.float32, 3) == []
     assert ts[0] < 2e-3 and ts[1:] == [1e-3, 1e-3]
+    ts = [1.3e-3, 1e-3]  # 1.3x the next one: re-timed too (the outlier that once moved the overhead fit)
+    assert _recheck(timer(lambda x: x.sum()), [1, 2], ts, 8, torch.float32, 3) == [] and ts[0] < 1e-3
     ts = [1.0, 1e-4]  # a call that really takes 10 ms stays out of order, and is reported
     assert _recheck(timer(lambda x: time.sleep(0.01)), [1, 2], ts, 8, torch.float32, 2) == [1]
 
@@ -231,6 +233,23 @@ def test_overhead_fit_takes_a_and_b_from_decode_steps_only():
     assert a == pytest.approx(0.030) and b == pytest.approx(0.0005) and c == 0.0
     pre = [{"seqs": 1, "tokens": 100, "seconds": 0.2 + 0.0305 + 100e-5, "predicted_compute": 0.2}]
     assert fit_overhead(dec, pre)[2] == pytest.approx(1e-5)
+
+
+def test_overhead_fit_weights_points_by_their_compute():
+    """A 64-row step's residual carries the table error of a 3x larger compute: weighted by 1 /
+    compute, a 12 ms error there leaves the 1-row intercept near its true 3 ms (plain least
+    squares put it at 4.4 ms)."""
+    from mixserve.plan.hardware import fit_overhead
+
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    comp = {b: 0.045 * (1 + b / 32) for b in rows}
+    dec = [{"seqs": b, "tokens": b, "seconds": comp[b] + 0.003 + 1e-4 * b - (0.012 if b == 64 else 0.0),
+            "predicted_compute": comp[b]} for b in rows]
+    a, b, _ = fit_overhead(dec, [])
+    assert abs(a - 0.003) < 0.0006
+    X = np.array([[1.0, r] for r in rows])
+    y = np.array([p["seconds"] - p["predicted_compute"] for p in dec])
+    assert abs(np.linalg.lstsq(X, y, rcond=None)[0][0] - 0.003) > 0.001  # what the weighting avoids
 
 
 def test_decode_attention_grid():
