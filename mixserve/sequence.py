@@ -62,6 +62,9 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     logprobs: list = field(default_factory=list)
+    # per output token whose text has been decoded, the index in `text` where that text starts
+    # (engine/detokenizer.py); a token not listed yet has no text so far
+    token_starts: list = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -8,6 +8,8 @@ character (U+FFFD).
 """
 from __future__ import annotations
 
+import bisect
+
 from mixserve.sequence import Sequence
 
 # How many already-emitted tokens to keep as left context, so that tokenizers which strip or
@@ -18,18 +20,36 @@ _CONTEXT = 5
 def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
     """Append the text of newly generated tokens to `seq.text`; returns the new text ("" while a
     character is still incomplete). Uses and advances seq.prefix_offset / seq.read_offset, which
-    index into the sequence's output token ids."""
+    index into the sequence's output token ids, and records in seq.token_starts where each newly
+    decoded token's text starts in seq.text (a token whose text is empty, such as a skipped
+    special token, is recorded with the next token that adds text, or never)."""
     out = seq.output_token_ids
     skip = seq.params.skip_special_tokens
     prefix_text = tokenizer.decode(out[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
     new_text = tokenizer.decode(out[seq.prefix_offset:], skip_special_tokens=skip)
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
         delta = new_text[len(prefix_text):]
+        base = len(seq.text)
+        # where each token of the group starts: the first at the delta's start; later ones (the
+        # rest of a multi-byte character, a word split over tokens) after what the earlier decode to
+        for j in range(seq.read_offset, len(out)):
+            if j == seq.read_offset:
+                seq.token_starts.append(base)
+                continue
+            part = tokenizer.decode(out[seq.prefix_offset:j], skip_special_tokens=skip).rstrip("\ufffd")
+            seq.token_starts.append(base + min(len(delta), max(0, len(part) - len(prefix_text))))
         seq.read_offset = len(out)
         seq.prefix_offset = max(seq.prefix_offset, seq.read_offset - _CONTEXT)
         seq.text += delta
         return delta
     return ""
+
+
+def tokens_in_text(seq: Sequence, end: int) -> int:
+    """How many leading output tokens have text that starts before character `end` of seq.text:
+    the tokens that make up text[:end] (the end token that stopped the sequence has no text, so it
+    is never among them; a token cut by a stop string is)."""
+    return bisect.bisect_left(seq.token_starts, end)
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

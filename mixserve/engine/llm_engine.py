@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixserve.engine.args import EngineArgs, parse_bytes, parse_dtype
-from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string
+from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string, tokens_in_text
 from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
@@ -29,7 +29,8 @@ class RequestOutput:
 
     text: generated text so far (stop string cut); new_text: what this step added.
     token_ids: generated token ids. finish_reason: "stop" | "length" | "abort" | None.
-    logprobs: per generated token, a TokenLogprobs (when asked for).
+    logprobs: a TokenLogprobs (when asked for) per generated token whose text starts within `text`
+        as handed out so far (see `_text_logprobs`).
     metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
         ttft, e2e — and num_preemptions.
     """
@@ -458,6 +459,16 @@ class LLMEngine:
         seq.emitted_chars = upto
         return piece
 
+    def _text_logprobs(self, seq: Sequence) -> list:
+        """The logprobs of the tokens that make up the text handed out so far (all of `text` once
+        finished): the end token that stopped the sequence, and tokens whose text is still held
+        back or incomplete, are not among them, so the entries join to the text (OpenAI's
+        logprobs describe the returned text)."""
+        if self.tokenizer is None:
+            return list(seq.logprobs)
+        end = len(seq.text) if seq.finish_reason is not None else seq.emitted_chars
+        return seq.logprobs[:tokens_in_text(seq, end)]
+
     def make_output(self, seq: Sequence, new_text: str = "") -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         e2e = seq.finish_time - seq.arrival_time if seq.finish_time else None
@@ -471,7 +482,7 @@ class LLMEngine:
             finished=seq.finish_reason is not None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            logprobs=self._text_logprobs(seq) if seq.params.logprobs is not None else None,
             metrics={
                 "arrival": seq.arrival_time, "first_scheduled": seq.first_scheduled_time,
                 "first_token": seq.first_token_time, "finish": seq.finish_time,

@@ -460,12 +460,16 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             if job.kind == "completions":
                 if job.req.echo:
                     text = prompt_text(job, c) + text
-                ch = {"index": c.index, "text": text,
-                      "logprobs": completion_logprobs(c.logprobs, token_text, OffsetCounter()),
-                      "finish_reason": c.finish_reason}
+                lp = completion_logprobs(c.logprobs, token_text, OffsetCounter())
+                if lp is None and job.logprobs is not None:  # asked for, and no token in the text
+                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                ch = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             else:
+                lp = chat_logprobs(c.logprobs, token_text)
+                if lp is None and job.logprobs is not None:
+                    lp = {"content": []}
                 ch = {"index": c.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(c.logprobs, token_text), "finish_reason": c.finish_reason}
+                      "logprobs": lp, "finish_reason": c.finish_reason}
             if job.req.return_token_ids:
                 ch["token_ids"] = c.token_ids
                 ch["prompt_token_ids"] = c.prompt_ids

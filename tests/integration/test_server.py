@@ -161,6 +161,60 @@ def test_stop_string_across_tokens(server, client, offline):
     assert not any(stop in p for p in pieces)
 
 
+def _chat_joined(entries) -> str:
+    return b"".join(bytes(e.bytes) for e in entries).decode()
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_logprob_entries_join_to_the_text(server, smollm2_path, draft):
+    """../shared/cases/logprobs-end-token.md: the entries are the tokens whose text starts within
+    the returned text, so they join to it (the end token that stopped a choice is not among them),
+    and where a stop string cuts inside a token the text is a prefix of the join: chat and
+    completions, streamed and not, n = 2, with and without a draft (n-gram) model."""
+    srv = None
+    if draft:
+        srv = LiveServer(LLMEngine(EngineArgs(model=smollm2_path, draft_model="ngram", speculation="fixed",
+                                              num_speculative_tokens=3, **ENGINE)), ServerConfig(NAME, api_key=KEY))
+    url = (srv or server).url
+    cl = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    try:
+        msgs = [{"role": "user", "content": "Say hi."}]
+        r = cl.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0.7, seed=3, n=2,
+                                       logprobs=True, top_logprobs=1)
+        assert any(c.finish_reason == "stop" for c in r.choices)  # ended by the end token
+        for c in r.choices:
+            assert _chat_joined(c.logprobs.content) == c.message.content
+            assert all("<|im_end|>" not in e.token for e in c.logprobs.content)
+        entries, text = {}, {}
+        for ch in cl.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0.7, seed=3,
+                                              n=2, logprobs=True, stream=True):
+            for c in ch.choices:
+                text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+                entries.setdefault(c.index, []).extend(c.logprobs.content if c.logprobs else [])
+        assert text == {c.index: c.message.content for c in r.choices}
+        assert all(_chat_joined(entries[i]) == text[i] for i in text)
+        # completions: ended by the end token, and cut by a stop string
+        prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+        full = cl.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, logprobs=1)
+        c = full.choices[0]
+        assert c.finish_reason == "stop" and "".join(c.logprobs.tokens) == c.text
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.top_logprobs) \
+            == len(c.logprobs.text_offset)
+        stop = c.text[len(c.text) // 2:len(c.text) // 2 + 2]
+        for stream in (False, True):
+            got = cl.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, logprobs=1,
+                                        stop=[stop], stream=stream)
+            chunks = list(got) if stream else [got]
+            t = "".join(ch.choices[0].text for ch in chunks)
+            toks = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.tokens]
+            joined = "".join(toks)
+            assert t == c.text[:c.text.find(stop)] and joined.startswith(t)
+            assert len(joined) - len(t) < len(toks[-1]) if toks else t == ""  # only the last token runs past
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
 def test_chunks_arrive_while_generating(server, client):
     t0 = time.perf_counter()
     first_still_running, times = None, []
