@@ -226,6 +226,8 @@ def cmd_serve(a) -> int:
 
     if a.max_waiting is not None and a.max_waiting < 1:
         raise ValueError(f"max_waiting: must be >= 1 (got {a.max_waiting})")
+    if a.max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes: must be >= 1 (got {a.max_body_bytes})")
     if a.request_timeout is not None and not a.request_timeout > 0:
         raise ValueError(f"request_timeout: must be > 0 seconds (got {a.request_timeout})")
     if a.max_n < 1 or a.shutdown_grace < 0:
@@ -242,7 +244,7 @@ def cmd_serve(a) -> int:
     print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
                        api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,
-                       request_timeout=a.request_timeout, max_n=a.max_n)
+                       request_timeout=a.request_timeout, max_n=a.max_n, max_body_bytes=a.max_body_bytes)
     # On SIGINT/SIGTERM: stop accepting, let running requests finish for shutdown_grace seconds,
     # end the rest properly (GracefulServer), then the app's lifespan stops the engine. uvicorn
     # re-raises the signal afterwards under the handler found at start: make that one a clean
@@ -526,6 +528,8 @@ def main(argv=None) -> int:
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds after which a request is aborted (default no limit)")
     p.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) accepted")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body in bytes; larger ones get HTTP 413 (default 8 MiB)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")

@@ -280,3 +280,27 @@ def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder)
         assert httpx.get(open_srv.url + "/docs", timeout=60).status_code == 200
     finally:
         open_srv.stop()
+
+
+def test_oversized_body_is_413_and_others_run_on(tiny_folder):
+    """A body over max_body_bytes is refused with 413 and OpenAI's error shape, whether its size
+    is declared (Content-Length) or only found while reading (chunked); the next request runs."""
+    srv = LiveServer(plain_engine(tiny_folder), ServerConfig("tiny", max_body_bytes=4096))
+    try:
+        url = srv.url + "/v1/completions"
+        big = {"model": "tiny", "prompt": [5] * 3000, "max_tokens": 2}
+        r = httpx.post(url, json=big, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert "4096" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the limit is found while reading
+            for _ in range(10):
+                yield b" " * 1000
+            yield b'{"model": "tiny", "prompt": [5, 6], "max_tokens": 2}'
+        r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(url, json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        srv.stop()
