@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -23,12 +24,15 @@ from mixserve.spec_decode.proposer import DraftModelProposer, NgramProposer
 from mixserve.spec_decode.rejection import verify
 
 
+log = logging.getLogger("mixserve")
+
 @dataclass
 class RequestOutput:
     """One request's state after a step (final when `finished`).
 
     text: generated text so far (stop string cut); new_text: what this step added.
-    token_ids: generated token ids. finish_reason: "stop" | "length" | "abort" | None.
+    token_ids: generated token ids. finish_reason: "stop" | "length" | "abort" | "error" | None
+        ("error": the request's logits were not finite; stop_reason says so).
     logprobs: a TokenLogprobs (when asked for) per generated token whose text starts within `text`
         as handed out so far (see `_text_logprobs`).
     metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
@@ -120,6 +124,9 @@ class LLMEngine:
         self.kernel_choice_s += time.perf_counter() - t1
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
+        self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
+        self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling
+        self.step_request_ids: list[str] | None = None  # requests the current/last step scheduled
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_step_tokens = 0  # tokens the target model ran in the last step (prefill + decode + drafts)
@@ -250,19 +257,56 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        seq.finish_reason = "abort"
+        self._end(seq, "abort")
+        return True
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` (already out of self.requests) with `reason` outside the normal path (abort,
+        error): its blocks are freed at once and parallel samples waiting on its prefill go on alone."""
+        seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         for lead_id, fs in list(self._followers.items()):
             if seq in fs:  # a follower not yet released: it holds no blocks
                 fs.remove(seq)
                 self._num_followers -= 1
                 seq.status = SequenceStatus.FINISHED
-                return True
+                return
         self.scheduler.finish(seq)
         for f in self._followers.pop(seq.seq_id, []):  # its followers prefill for themselves
             self.scheduler.add(f)
             self._num_followers -= 1
-        return True
+
+    def _drop_poisoned(self, logits: torch.Tensor, rows: list, by_id: dict) -> tuple[torch.Tensor, list, list]:
+        """Rows of `logits` [sum of num_logits, V] that hold a NaN or an infinity (fp16 overflow, a
+        bad weight, a kernel bug) end their request with finish_reason "error" (blocks freed, the
+        reason in stop_reason); the others go on. `self.logits_hook(logits, rows)`, when set, runs
+        first (tests poison a row through it). Returns (the remaining logits and rows, the failed
+        requests' outputs)."""
+        if self.logits_hook is not None:
+            self.logits_hook(logits, rows)
+        if not rows:
+            return logits, rows, []
+        # a row's sum is finite exactly when every entry is (logits are far from float32's range)
+        ok = torch.isfinite(logits.sum(-1, dtype=torch.float32))
+        if bool(ok.all()):
+            return logits, rows, []
+        keep, kept_rows, failed, r = [], [], [], 0
+        for it in rows:
+            span = range(r, r + it.num_logits)
+            r += it.num_logits
+            if bool(ok[span.start:span.stop].all()):
+                keep.extend(span)
+                kept_rows.append(it)
+                continue
+            seq = by_id[it.seq_id]
+            self.requests.pop(seq.request_id, None)
+            seq.stop_reason = "non-finite logits (NaN or infinity) in this request's row"
+            self._end(seq, "error")
+            self.num_errored += 1
+            log.error("request %s: non-finite logits in its row; it ends with an error, the batch goes on",
+                      seq.request_id)
+            failed.append(self.make_output(seq, self._releasable_text(seq)))
+        return logits[torch.tensor(keep, dtype=torch.long)], kept_rows, failed
 
     def _release_followers(self, seqs: list[Sequence]) -> None:
         """Fork the prompt blocks of every leader in `seqs` whose prefill has just completed to its
@@ -297,6 +341,8 @@ class LLMEngine:
             alphas = [self.controller.alpha_for(s.spec_accepted, s.spec_evaluated) for s in decoding]
             k = self.controller.choose(alphas, prefill_tokens)
         sched = self.scheduler.schedule(lookahead=k)
+        # whom an exception from here on concerns: the server fails these, not every request
+        self.step_request_ids = [s.seq.request_id for s in sched.scheduled]
         self.last_step_tokens = 0
         if not sched.scheduled:
             return []
@@ -312,7 +358,7 @@ class LLMEngine:
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         t0 = time.perf_counter()
         logits, rows = self.runner.run(items, sched.copies)
-        outputs = []
+        logits, rows, outputs = self._drop_poisoned(logits, rows, by_id)
         sampled = None
         if rows:
             seqs = [by_id[it.seq_id] for it in rows]
@@ -353,6 +399,7 @@ class LLMEngine:
                                    len(d) + 1 if s.samples else 0))
         logits, rows = self.runner.run(items, sched.copies)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        logits, rows, failed = self._drop_poisoned(logits, rows, by_id)
         # one metadata row per verified position: output ids include the drafts before it
         row_seqs, row_extra = [], []
         for it in rows:
@@ -364,7 +411,7 @@ class LLMEngine:
         processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
-        outputs, r, now = [], 0, time.perf_counter()
+        outputs, r, now = failed, 0, time.perf_counter()
         for it in rows:
             seq, m = by_id[it.seq_id], it.num_logits
             d = drafts.get(it.seq_id, [])

@@ -436,6 +436,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         if isinstance(item, EngineFailure):
             by_id[item.request_id].finish_reason = "error"
             job.end_reason = "error"
+            metrics.errored.labels("engine_step").inc()
             raise APIError(500, str(item), type="server_error")
         return by_id[item.request_id], item
 
@@ -460,6 +461,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 c, out = await next_output(job, by_id)
                 absorb(job, c, out)
                 left -= out.finished
+                if out.finish_reason == "error":  # its row's logits were not finite: the request fails
+                    abort(job, "error")
+                    raise APIError(500, f"generation failed: {out.stop_reason}", type="server_error",
+                                   code="generation_error")
 
         work = asyncio.ensure_future(gather())
         gone = asyncio.ensure_future(wait_disconnect(request))

@@ -163,14 +163,17 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             if eng.has_unfinished():
                 t0 = time.perf_counter()
+                eng.step_request_ids = None
                 try:
                     outputs = eng.step()
                 except Exception as e:
-                    # We cannot tell which request broke the step, so every unfinished one fails
-                    # (blocks freed); the engine stays up for the requests that come next.
-                    log.exception("engine step failed; failing %d requests", len(eng.requests))
+                    # The requests the step had scheduled fail (blocks freed); the others, which it
+                    # did not touch, run on. Failing before it scheduled, it fails every request.
+                    ids = eng.step_request_ids if eng.step_request_ids is not None else list(eng.requests)
+                    ids = [rid for rid in ids if rid in eng.requests]
+                    log.exception("engine step failed; failing its %d requests", len(ids))
                     self.step_errors += 1
-                    for rid in list(eng.requests):
+                    for rid in ids:
                         eng.abort(rid)
                         failures.append((rid, f"engine error: {type(e).__name__}: {e}"))
                 else:

@@ -75,6 +75,9 @@ class ServerMetrics:
             self.spec_evaluated = Counter("mixserve_spec_decode_num_evaluated_tokens",
                                           "Draft positions the target judged (acceptance = accepted / evaluated).",
                                           registry=r)
+        self.errored = Counter("mixserve_request_errored",
+                               "Requests ended by an error: non-finite logits in their row, or a failing engine step.",
+                               ["reason"], registry=r)
         self.aborted = Counter("mixserve_request_aborted", "Requests aborted (client gone, timeout, shutdown).",
                                ["reason"], registry=r)
         self.rejected = Counter("mixserve_request_rejected", "Requests refused before running, by HTTP status.",
@@ -94,6 +97,9 @@ class ServerMetrics:
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics
+        if out.finish_reason == "error":
+            self.errored.labels("non_finite_logits").inc()
+            return
         self.finished.labels(out.finish_reason).inc()
         if m.get("ttft") is not None:
             self.ttft.observe(m["ttft"])

@@ -1,6 +1,7 @@
 """Bad input is refused with a clear error naming the field, and loses nothing else
 (regressions from trying to break the engine)."""
 import pytest
+import torch
 
 from mixserve import SamplingParams
 from mixserve.llm import LLM
@@ -101,3 +102,49 @@ def test_failed_sampling_leaves_no_zombie(tiny, monkeypatch):
         outs += eng.step()
     assert outs[-1].finished and len(outs[-1].token_ids) == 5
     assert eng.block_manager.num_free_blocks == eng.num_blocks
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_poisoned_row_fails_alone(tmp_path, spec):
+    """NaN written into one request's actual logits (the engine's test hook) ends exactly that
+    request with finish_reason "error", frees its blocks and counts it; the others in the batch
+    produce what they produce without the poison (greedy)."""
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
+    from tests.unit.test_engine_tiny import make_tiny
+
+    folder, _ = make_tiny(tmp_path, "llama", tie=True)
+    kw = dict(draft_model="ngram", speculation="fixed", num_speculative_tokens=2) if spec else {}
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 5]
+
+    def run(poison):
+        eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", progress=False, **kw))
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in prompts]
+        victim = eng.requests[ids[1]].seq_id
+        calls = {"n": 0}
+
+        def hook(logits, rows):
+            calls["n"] += 1
+            r = 0
+            for it in rows:
+                if it.seq_id == victim and calls["n"] == 4:
+                    with torch.inference_mode():  # the engine's logits are inference tensors
+                        logits[r + it.num_logits - 1, 3] = float("nan")
+                r += it.num_logits
+        if poison:
+            eng.logits_hook = hook
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        return eng, [done[i] for i in ids]
+
+    clean_eng, clean = run(False)
+    eng, outs = run(True)
+    assert outs[1].finish_reason == "error" and "non-finite" in outs[1].stop_reason
+    assert len(outs[1].token_ids) < 12
+    assert [o.token_ids for o in (outs[0], outs[2])] == [clean[0].token_ids, clean[2].token_ids]
+    assert all(o.finish_reason == "length" for o in (outs[0], outs[2]))
+    assert eng.num_errored == 1 and clean_eng.num_errored == 0
+    assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished()

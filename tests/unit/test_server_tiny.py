@@ -1,6 +1,10 @@
 """Server pieces on a tiny random model (no tokenizer: token-id prompts), and request parsing."""
+import json
+import time
+
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixserve import SamplingParams
@@ -302,5 +306,90 @@ def test_oversized_body_is_413_and_others_run_on(tiny_folder):
         r = httpx.post(url, json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        srv.stop()
+
+
+def test_poisoned_row_is_500_or_error_chunk_and_others_run_on(tiny_folder):
+    """A request whose logits turn non-finite (the engine's test hook writes NaN into its rows) is a
+    500 with OpenAI's error shape, or a stream whose last chunk has finish_reason "error"; a
+    request beside it completes; the errors are counted; no block stays in use."""
+    import threading
+
+    eng = plain_engine(tiny_folder)
+    marker = [77, 77, 77]
+
+    def hook(logits, rows):
+        r = 0
+        with torch.inference_mode():
+            for it in rows:
+                if it.token_ids[:3] == marker and len(it.token_ids) > 6:  # after a few tokens
+                    logits[r:r + it.num_logits] = float("nan")
+                r += it.num_logits
+    eng.logits_hook = hook
+    srv = LiveServer(eng, ServerConfig("tiny"))
+    try:
+        url = srv.url + "/v1/completions"
+        good = {}
+
+        def other():
+            good["r"] = httpx.post(url, json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 30,
+                                              "ignore_eos": True}, timeout=60)
+        t = threading.Thread(target=other)
+        t.start()
+        bad = httpx.post(url, json={"model": "tiny", "prompt": marker, "max_tokens": 30, "ignore_eos": True},
+                         timeout=60)
+        assert bad.status_code == 500 and "non-finite" in bad.json()["error"]["message"]
+        lines = []
+        with httpx.stream("POST", url, json={"model": "tiny", "prompt": marker, "max_tokens": 30,
+                                             "ignore_eos": True, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["choices"][0]["finish_reason"] == "error"
+        t.join(60)
+        assert good["r"].status_code == 200 and good["r"].json()["usage"]["completion_tokens"] == 30
+        text = httpx.get(srv.url + "/metrics", timeout=60).text
+        errs = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "mixserve_request_errored_total" and s.labels.get("reason") == "non_finite_logits"]
+        assert errs == [2.0]
+        assert srv.wait_idle(30) and eng.block_manager.num_used_blocks == 0 and eng.num_errored == 2
+    finally:
+        srv.stop()
+
+
+def test_an_exception_in_a_forward_fails_only_that_steps_requests(tiny_folder):
+    """A forward that raises fails the requests its step scheduled (500), not one that was waiting
+    (max_num_seqs 1 keeps the second out of the step), which then completes; the server stays up."""
+    import threading
+
+    eng = LLMEngine(EngineArgs(model=tiny_folder, dtype="float32", kv_cache_memory="8MiB", progress=False,
+                               max_num_seqs=1))
+    real = eng.runner.run
+
+    def run(items, copies=()):
+        # fails the marked request's step once the other request waits behind it
+        if eng.num_waiting and any(it.token_ids[:3] == [77, 77, 77] for it in items):
+            raise RuntimeError("injected forward failure")
+        return real(items, copies)
+    eng.runner.run = run
+    srv = LiveServer(eng, ServerConfig("tiny"))
+    try:
+        url = srv.url + "/v1/completions"
+        res = {}
+
+        def post(name, prompt, n):
+            res[name] = httpx.post(url, json={"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                              "ignore_eos": True}, timeout=60)
+        a = threading.Thread(target=post, args=("bad", [77, 77, 77], 400))
+        a.start()
+        while not eng.has_unfinished():  # the marked request runs first
+            time.sleep(0.005)
+        b = threading.Thread(target=post, args=("good", [5, 6, 7], 20))
+        b.start()
+        a.join(60)
+        b.join(60)
+        assert res["bad"].status_code == 500 and "injected forward failure" in res["bad"].json()["error"]["message"]
+        assert res["good"].status_code == 200 and res["good"].json()["usage"]["completion_tokens"] == 20
+        assert srv.wait_idle(30) and eng.block_manager.num_used_blocks == 0
     finally:
         srv.stop()
