@@ -10,7 +10,7 @@ class SamplingParams:
     """How one request is sampled and when it stops.
 
     Attributes:
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 means greedy (argmax), as does anything below 1e-5.
         top_k: keep the k most likely tokens; -1 or 0 disables.
         top_p: keep the smallest set of tokens whose probability sums to >= top_p; 1.0 disables.
         min_p: drop tokens whose probability is below min_p times the top token's; 0 disables.
@@ -63,7 +63,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below _MIN_TEMPERATURE, 1/T overflows float32: such a temperature is greedy in all but
+        # name, and is served as greedy (as vLLM does) rather than refused (OpenAI accepts [0, 2])
+        return self.temperature < _MIN_TEMPERATURE
 
     def validate(self) -> None:
         """Check types and ranges; raise ValueError naming the offending field."""
@@ -85,9 +87,6 @@ class SamplingParams:
             bad("min_tokens", "must be <= max_tokens")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
-        if 0 < self.temperature < _MIN_TEMPERATURE:
-            # 1/T overflows float32 for tiny T; such a temperature is greedy in all but name
-            bad("temperature", f"must be 0 (greedy) or >= {_MIN_TEMPERATURE}")
         if self.top_k < -1:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if not 0.0 < self.top_p <= 1.0:
