@@ -210,36 +210,25 @@ def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize_int4pack(packed: torch.Tensor, scale_rows: torch.Tensor, zero_rows: torch.Tensor, n: int, k: int,
-                        group_size: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+                        group_size: int, out: torch.Tensor | None = None,
+                        transposed: bool = False) -> torch.Tensor | None:
     """Dense [n, k] weight in scale_rows' dtype (float32 or bfloat16) from the kernel's packed
     uint8 weight and [n, k / group_size] scales and zeros (zero = (8 - z) * scale), written into
     `out` (contiguous, n * k elements of that dtype) or a new tensor; None when the compiled
-    kernel is unavailable (the caller falls back to eager ops)."""
+    kernel is unavailable (the caller falls back to eager ops).
+
+    transposed=True writes W^T instead, [k, n] contiguous: the layout's 64-row blocks hold each
+    input channel's 64 outputs side by side, so this form is written with contiguous (non-temporal)
+    vector stores, for the many-row GEMM, which reads W^T as fast as W; `out` must then be 64-byte
+    aligned, as PyTorch's CPU allocations are (RuntimeError otherwise)."""
     mod = _load()
     if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16):
         return None
+    shape = (k, n) if transposed else (n, k)
     if out is None:
-        out = torch.empty(n, k, dtype=scale_rows.dtype)
+        out = torch.empty(shape, dtype=scale_rows.dtype)
     elif out.numel() != n * k or out.dtype != scale_rows.dtype or not out.is_contiguous():
         raise ValueError(f"out: needs {n * k} contiguous {scale_rows.dtype} elements")
-    mod.dequant(packed.contiguous(), scale_rows.contiguous(), zero_rows.contiguous(), out, n, k, group_size)
-    return out.view(n, k)
-
-
-def dequantize_int4pack_t(packed: torch.Tensor, scale_rows: torch.Tensor, zero_rows: torch.Tensor, n: int, k: int,
-                          group_size: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The same weight transposed, [k, n] (= W^T, contiguous), in scale_rows' dtype, written into
-    `out` (n * k contiguous elements of that dtype, 64-byte aligned as PyTorch's CPU allocations
-    are; RuntimeError otherwise) or a new tensor: the layout's 64-row
-    blocks hold each input channel's 64 outputs side by side, so this form is written with
-    contiguous vector stores. For the many-row GEMM, which reads W^T as fast as W. None when the
-    compiled kernel is unavailable."""
-    mod = _load()
-    if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if out is None:
-        out = torch.empty(k, n, dtype=scale_rows.dtype)
-    elif out.numel() != n * k or out.dtype != scale_rows.dtype or not out.is_contiguous():
-        raise ValueError(f"out: needs {n * k} contiguous {scale_rows.dtype} elements")
-    mod.dequant_kn(packed.contiguous(), scale_rows.contiguous(), zero_rows.contiguous(), out, n, k, group_size)
-    return out.view(k, n)
+    fn = mod.dequant_kn if transposed else mod.dequant
+    fn(packed.contiguous(), scale_rows.contiguous(), zero_rows.contiguous(), out, n, k, group_size)
+    return out.view(shape)

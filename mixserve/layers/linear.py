@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixserve.layers import bf16_gemv, graph_ops, int4_vnni
-from mixserve.layers.int4_dequant import dequantize_int4pack, dequantize_int4pack_t, scratch
+from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
 
@@ -261,8 +261,8 @@ class Int4Linear(nn.Module):
         layouts' kernels write with non-temporal stores (layers/int4_dequant.py)."""
         n = self.out_features * self.in_features
         if self.kernel == "torch" and n <= SCRATCH_MAX_ELEMENTS:
-            wt = dequantize_int4pack_t(self.packed, self.scale_rows, self.zero_rows, self.out_features,
-                                       self.in_features, self.group_size, scratch(n, self.dtype))
+            wt = dequantize_int4pack(self.packed, self.scale_rows, self.zero_rows, self.out_features,
+                                     self.in_features, self.group_size, scratch(n, self.dtype), transposed=True)
             if wt is not None:
                 return wt.t()
         return self.dense_weight(reuse=True)
