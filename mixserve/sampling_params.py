@@ -87,8 +87,8 @@ class SamplingParams:
             bad("min_tokens", "must be <= max_tokens")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
-        if self.top_k < -1:
-            bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
+        if not -1 <= self.top_k < 2**31:
+            bad("top_k", "must be -1 (off), 0 (off) or a positive integer below 2**31")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:

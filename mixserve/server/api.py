@@ -327,7 +327,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         choices = []
         params = []
         for p, (_, ids) in enumerate(prompts):
-            max_tokens = req.max_tokens if kind == "completions" else (req.max_tokens or req.max_completion_tokens)
+            # `is None`, not `or`: a max_tokens of 0 is a value (refused below), not "no limit"
+            max_tokens = req.max_tokens if kind == "completions" or req.max_tokens is not None \
+                else req.max_completion_tokens
             if max_tokens is None:  # chat default: whatever context is left
                 max_tokens = max(1, min(engine.max_model_len, engine.kv_capacity_tokens) - len(ids))
             for j in range(req.n):

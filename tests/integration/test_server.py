@@ -343,6 +343,7 @@ BAD = [
     (CH, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CH, {"messages": CHAT, "max_completion_tokens": 600}, "max_completion_tokens"),
     (CH, {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
+    (CH, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),  # 0 is a value, not "no limit"
     (CH, {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     # lone UTF-16 surrogates are valid JSON but not text: json.dumps sends them
     (C, {"prompt": "\ud800"}, "prompt"), (C, {"prompt": ["ok", "\ud83d"]}, "prompt"),

@@ -24,6 +24,7 @@ def G(n):
     (dict(temperature="hot"), "temperature"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(top_p=float("inf")), "top_p"), (dict(max_tokens=True), "max_tokens"), (dict(seed=2**70), "seed"),
     (dict(logprobs=True), "logprobs"), (dict(top_k=2.5), "top_k"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(top_k=10**400), "top_k"),
 ])
 def test_sampling_params_refused(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
