@@ -30,10 +30,10 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
         delta = new_text[len(prefix_text):]
         base = len(seq.text)
-        # where each token of the group starts: the first at the delta's start; later ones (the
-        # rest of a multi-byte character, a word split over tokens) after what the earlier decode to
+        # where each token of the group starts (only logprobs need it): the first at the delta's
+        # start; later ones (the rest of a multi-byte character) after what the earlier decode to
         for j in range(seq.read_offset, len(out)):
-            if j == seq.read_offset:
+            if j == seq.read_offset or seq.params.logprobs is None:
                 seq.token_starts.append(base)
                 continue
             part = tokenizer.decode(out[seq.prefix_offset:j], skip_special_tokens=skip).rstrip("\ufffd")

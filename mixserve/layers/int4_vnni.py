@@ -187,14 +187,13 @@ static void dequant_rows(const uint8_t* wp, const at::Half* sp, const at::Half* 
         const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(15));
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
         O* o = out + n * K + c * 128;
-        store16(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, 0))), a, b));
-        store16(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, 1))), a, b));
-        store16(o + 32, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, 2))), a, b));
-        store16(o + 48, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(lo, 3))), a, b));
-        store16(o + 64, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 0))), a, b));
-        store16(o + 80, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 1))), a, b));
-        store16(o + 96, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 2))), a, b));
-        store16(o + 112, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(hi, 3))), a, b));
+        alignas(64) uint8_t q[128];  // the 128 integers of the chunk, low nibbles then high
+        _mm512_store_si512((void*)q, lo);
+        _mm512_store_si512((void*)(q + 64), hi);
+        for (int i = 0; i < 8; ++i) {
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(q + 16 * i))));
+          store16(o + 16 * i, _mm512_fmadd_ps(f, a, b));
+        }
       }
     _mm_sfence();
   });
@@ -229,7 +228,7 @@ _state: dict = {}
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v5", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v6", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(

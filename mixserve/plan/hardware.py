@@ -250,8 +250,8 @@ def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 def fit_overhead(decode: list[dict], prefill: list[dict]) -> list[float]:
     """[a, b, c] seconds of overhead = a + b * seqs + c * tokens from engine-step points
     ({"seqs", "tokens", "seconds", "predicted_compute"}): a and b (>= 0) by least squares on the
-    decode points' residuals alone, each weighted by 1 / predicted_compute, then c (>= 0) as the median per-token residual of the prefill
-    points after a + b (0 without prefill points). See probe_overhead for why."""
+    decode points' residuals alone, each weighted by 1 / predicted_compute, then c (>= 0) as the
+    median per-token residual of the prefill points after a + b (0 without prefill points). See probe_overhead for why."""
     # each point weighted by 1 / its predicted compute: the residual's noise is a share of the step
     # (the host drifts by a few percent), so a 64-row step's ±10 ms must not outvote the 1-row step
     w = np.array([1.0 / max(p["predicted_compute"], 1e-6) for p in decode])
