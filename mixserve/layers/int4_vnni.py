@@ -108,39 +108,49 @@ bool available() {
 #endif
 }
 
-// x float [R, K] -> y float [R, N]
-torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G) {
+// x float [R, K] -> y float [R, N]. exact: each activation row goes in as two int8 rows, its
+// quantization and the quantization of what that left over (rows 2r and 2r + 1, so both share
+// every weight load), whose sum carries about 15 bits; the zero-point term uses x once, as is
+static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
+  for (int64_t c = 0; c < K / 128; ++c) {
+    const float* xc = xr + c * 128;
+    float amax = 0.f;
+    for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(xc[i]));
+    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
+    d[c] = dc;
+    for (int i = 0; i < 128; ++i) {
+      const float qi = std::nearbyint(xc[i] * inv);
+      q[c * 128 + i] = (int8_t)qi;
+      if (rest) rest[c * 128 + i] = xc[i] - qi * dc;
+    }
+  }
+}
+
+torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G, bool exact) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [R, K], contiguous");
   TORCH_CHECK(w.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
               "w uint8, s and m float16");
   const int64_t R = x.size(0), K = x.size(1), N = w.size(0), nc = K / 128, ng = K / G;
   TORCH_CHECK(K % 128 == 0 && G % 128 == 0 && K % G == 0 && w.size(1) == K / 2 && s.size(0) == N && s.size(1) == ng &&
               m.sizes() == s.sizes(), "int4_vnni: shapes do not agree");
-  auto y = torch::empty({R, N}, x.options());
+  const int64_t RQ = exact ? 2 * R : R;  // int8 rows through the kernel
+  auto y = torch::empty({RQ, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const float* xp = x.data_ptr<float>();
-  std::vector<int8_t> xq(R * K);
-  std::vector<float> dx(R * nc), xs(R * ng, 0.f);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < nc; ++c) {
-      const float* xc = xp + r * K + c * 128;
-      float amax = 0.f;
-      for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(xc[i]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      dx[r * nc + c] = d;
-      float sum = 0.f;
-      for (int i = 0; i < 128; ++i) {
-        xq[r * K + c * 128 + i] = (int8_t)std::nearbyint(xc[i] * inv);
-        sum += xc[i];
-      }
-      xs[r * ng + c * 128 / G] += sum;
-    }
+  std::vector<int8_t> xq(RQ * K);
+  std::vector<float> dx(RQ * nc), xs(RQ * ng, 0.f), rest(exact ? K : 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = exact ? 2 * r : r;
+    quantize_row(xp + r * K, K, xq.data() + a * K, dx.data() + a * nc, exact ? rest.data() : nullptr);
+    if (exact) quantize_row(rest.data(), K, xq.data() + (a + 1) * K, dx.data() + (a + 1) * nc, nullptr);
+    for (int64_t k = 0; k < K; ++k) xs[a * ng + k / G] += xp[r * K + k];
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = s.data_ptr<at::Half>();
   const at::Half* mp = m.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const int64_t rr = std::min<int64_t>(4, R - r0);
+  for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, RQ - r0);
     const int8_t* a = xq.data() + r0 * K;
     const float* b = dx.data() + r0 * nc;
     const float* c = xs.data() + r0 * ng;
@@ -155,7 +165,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::T
 #else
   TORCH_CHECK(false, "int4_vnni: built without AVX512-VNNI");
 #endif
-  return y;
+  return exact ? y.view({R, 2, N}).sum(1) : y;
 }
 
 // dense weight for the many-row path: out [N, K] (float or bf16 bits) = q * s + m, with vector
@@ -217,10 +227,36 @@ torch::Tensor dequant(torch::Tensor w, torch::Tensor s, torch::Tensor m, torch::
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
-  lib.def("int4_vnni_matmul(Tensor x, Tensor w, Tensor s, Tensor m, int group_size) -> Tensor");
+// y [R, N] = x [R, K] float @ W^T with W dequantized to float32 a slice of output rows at a time
+// (a whole LM head in float32 would be a transient 0.5-1 GB), each slice's GEMM by PyTorch
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [R, K]");
+  const int64_t R = x.size(0), N = w.size(0), K = w.size(1) * 2, ng = K / G, S = 4096;
+  TORCH_CHECK(x.size(1) == K, "int4_vnni linear_f32: shapes do not agree");
+  auto yt = torch::empty({N, R}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  auto buf = torch::empty({std::min<int64_t>(S, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += S) {
+    const int64_t nn = std::min<int64_t>(S, N - n0);
+    dequant_rows(w.data_ptr<uint8_t>() + n0 * (K / 2), s.data_ptr<at::Half>() + n0 * ng,
+                 m.data_ptr<at::Half>() + n0 * ng, buf.data_ptr<float>(), nn, K, G);
+    auto out = yt.narrow(0, n0, nn);
+    at::mm_out(out, buf.narrow(0, 0, nn), x.t());
+  }
+#else
+  TORCH_CHECK(false, "int4_vnni: built without AVX512-VNNI");
+#endif
+  return yt.t().contiguous();
 }
-TORCH_LIBRARY_IMPL(mixserve, CPU, lib) { lib.impl("int4_vnni_matmul", &matmul); }
+
+TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
+  lib.def("int4_vnni_matmul(Tensor x, Tensor w, Tensor s, Tensor m, int group_size, bool exact=False) -> Tensor");
+  lib.def("int4_vnni_linear_f32(Tensor x, Tensor w, Tensor s, Tensor m, int group_size) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
+  lib.impl("int4_vnni_matmul", &matmul);
+  lib.impl("int4_vnni_linear_f32", &linear_f32);
+}
 """
 
 _state: dict = {}
@@ -228,10 +264,12 @@ _state: dict = {}
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v6", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v7", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(
+                lambda x, w, s, m, g, exact=False: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("mixserve::int4_vnni_linear_f32")(
                 lambda x, w, s, m, g: x.new_empty(x.shape[0], w.shape[0]))
         _state["mod"] = mod
     return _state["mod"]
@@ -262,13 +300,16 @@ def unpack(w: torch.Tensor) -> torch.Tensor:
 
 
 def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
-                     group_size: int) -> torch.Tensor:
+                     group_size: int, exact: bool = False) -> torch.Tensor:
     """y = x @ W^T for W[n, k] = q * s[n, g] + m[n, g] (g = k // group_size).
 
     Args:
         x: [R, K] any float dtype (computed from float32). Rows go through the weights four at a time,
             so its lead is at 1-2 rows (decode); the caller's dense switch takes many rows.
         w: uint8 [N, K / 2] from `pack`; s, m: float16 [N, K / group_size].
+        exact: quantize each row to int8 twice (the row, then its rounding residual), so the
+            activations keep about 15 bits instead of 8, for float32 logits from an int4 LM head
+            (within 1e-3 of a float32 product); two int8 rows per row, at about the cost of two.
     Returns:
         float32 [R, N].
     Raises:
@@ -276,7 +317,15 @@ def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch
     """
     if _load() is None:
         raise RuntimeError("int4_vnni: the kernel is not available on this machine")
-    return torch.ops.mixserve.int4_vnni_matmul(x.float().contiguous(), w, s, m, group_size)
+    return torch.ops.mixserve.int4_vnni_matmul(x.float().contiguous(), w, s, m, group_size, exact)
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:
+    """y = x @ W^T in float32 throughout: W (layout as in `int4_vnni_matmul`) is dequantized to
+    float32 4,096 output rows at a time, each slice multiplied by PyTorch's float32 GEMM. For many
+    rows of float32 logits from an int4 head. x: [R, K] (computed in float32) -> float32 [R, N].
+    The caller has checked `available()`."""
+    return torch.ops.mixserve.int4_vnni_linear_f32(x.float().contiguous(), w, s, m, group_size)
 
 
 def dequantize(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group_size: int, out: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,9 @@ class DenseLinear(nn.Module):
     exists: layers/bf16_gemv.py for up to bf16_gemv.MAX_ROWS rows, F.linear above). Only one copy
     of the weight is resident.
 
+    float_out (set on an LM head): the result is float32 whatever the weight's dtype, the product
+    of the bf16 operands with float32 accumulation left unrounded (`forward_float`).
+
     Args: weight [out, in] float32/bfloat16; bias [out] or None.
     """
 
@@ -37,6 +40,8 @@ class DenseLinear(nn.Module):
         self.packed = None
         self.weight = weight
         self.impl = "plain"
+        self.float_out = False
+        self.float_gemv_rows = 0  # float_out: rows below which the gemv kernel gives the result
 
     def set_impl(self, impl: str) -> None:
         """Switch kernel: "plain", "onednn" or "gemv"; a kernel that cannot take this weight
@@ -65,6 +70,36 @@ class DenseLinear(nn.Module):
         return self.weight if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_out:
+            return self.forward_float(x)
+        return self._forward(x)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out]: x @ W^T + b accumulated in float32 and not rounded to
+        the weight's dtype (a bf16 logit is a multiple of 0.125 at typical sizes). bf16 weights:
+        below `float_gemv_rows` rows the gemv kernel's float32 output (layers/bf16_gemv.py); from
+        there two oneDNN passes, y = bf16(xW + b) + bf16(xW + b - bf16(xW + b)), the second one
+        adding the first's negation to its float32 accumulator before rounding, so the sum keeps
+        about 16 significant bits (error ~1e-4 on a logit of 20). Which is cheaper at which rows
+        is measured (`float_head_candidates`). Without oneDNN: a float32 copy of W per call."""
+        if self.dense_weight_dtype() == torch.float32:
+            return self._forward(x).float()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] < self.float_gemv_rows and self.packed is None:
+            y = bf16_gemv.gemv(x2, self.weight, self.bias, torch.float32)
+        elif torch.backends.mkldnn.is_available() and x2.dtype == torch.bfloat16:
+            hi = self._forward(x2)
+            w = self.packed if self.packed is not None else self.weight
+            y = hi.float() + graph_ops.onednn_linear_add(x2, hi.neg(), w, self.bias).float()
+        else:
+            b = self.bias.float() if self.bias is not None else None
+            y = F.linear(x2.float(), self.dense_weight().float(), b)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight_dtype(self) -> torch.dtype:
+        return self.weight.dtype if self.packed is None else self.packed.dtype
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if torch.compiler.is_compiling():  # Inductor cannot lower oneDNN's op on our own packed weight
                 return graph_ops.onednn_linear(x, self.packed, self.bias, self.out_features)
@@ -152,6 +187,9 @@ class Int4Linear(nn.Module):
     per weight plus scales).
     Off CPU the dense path is always used (no CUDA int4 kernel is wired yet).
 
+    float_out (set on an LM head): the result is float32, within ~1e-3 of the float32 product of
+    the activations with `float_weight()` (`forward_float`).
+
     Args:
         q: int32 [out, in] in [0, 15]; scales: [out, in / group_size] (float16 from checkpoints);
         zeros: int32 [out, in / group_size]; group_size: input channels per group;
@@ -187,6 +225,8 @@ class Int4Linear(nn.Module):
         self.zero_rows = zero.to(dtype)
         self.kernel = "torch"  # or "vnni" (set_kernel): layers/int4_vnni.py, its own weight layout
         self.vq = self.vs = self.vm = None
+        self.float_out = False
+        self.float_dense_rows: int | None = None  # float_out: rows from which float32 dequant + GEMM run
 
     def set_kernel(self, kernel: str) -> None:
         """Few-row kernel: "torch" (PyTorch's int4 kernel, the default) or "vnni" (int8 activations
@@ -236,7 +276,38 @@ class Int4Linear(nn.Module):
         w = torch.addcmul(self.zero_rows.unsqueeze(-1), q - 8, self.scale_rows.unsqueeze(-1))
         return w.view(self.out_features, self.in_features)
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight [out, in] dequantized in float32 from this layout's own scales (the vnni
+        layout keeps them in float16, PyTorch's in the compute dtype): the operand float32 logits
+        are checked against."""
+        n = self.out_features * self.in_features
+        if self.kernel == "vnni":
+            return int4_vnni.dequantize(self.vq, self.vs, self.vm, self.group_size, torch.empty(n))
+        q = _unpack_int4pack_cpu(self.packed, self.out_features, self.in_features)
+        q = q.view(self.out_features, -1, self.group_size).float()
+        w = torch.addcmul(self.zero_rows.float().unsqueeze(-1), q - 8, self.scale_rows.float().unsqueeze(-1))
+        return w.view(self.out_features, self.in_features)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out], x @ float_weight()^T + b to ~1e-3. vnni layout:
+        below `float_dense_rows` rows the kernel with two-level int8 activations
+        (int4_vnni_matmul(exact=True)); from there the weight dequantized to float32 slice by
+        slice and PyTorch's float32 GEMM (int4_vnni.linear_f32); where to switch is measured
+        (`float_head_candidates`). PyTorch's layout (no VNNI): a float32 dequantization per call."""
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.kernel == "vnni" and (self.float_dense_rows is None or x2.shape[0] < self.float_dense_rows):
+            y = int4_vnni.int4_vnni_matmul(x2, self.vq, self.vs, self.vm, self.group_size, exact=True)
+        elif self.kernel == "vnni":
+            y = int4_vnni.linear_f32(x2, self.vq, self.vs, self.vm, self.group_size)
+        else:
+            y = F.linear(x2, self.float_weight())
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.view(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_out:
+            return self.forward_float(x)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         x = x.to(self.dtype)
         if rows == 0:
@@ -309,40 +380,83 @@ def int4_kernel_candidates(out_features: int, in_features: int, group_size: int,
     return cands
 
 
-def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
-                    kernel: str = "torch") -> dict:
-    """Timers for kernel_choice's `int4_dense_rows` choice: candidate "never" (the few-row int4
-    `kernel` at every row count) and "R" for R in INT4_ROWS (dequantize + dense GEMM from R rows).
-    Each candidate's figure is the geometric mean over INT4_ROWS of its seconds per call there,
-    from one timing of both paths at every row count (weights rotating past the cache)."""
+def switch_candidates(rows: tuple[int, ...], time_at) -> dict:
+    """Timers for a switch point between a few-row path and a many-row path: candidate "never"
+    (the few-row path at every row count) and "R" for R in `rows` (the many-row path from R rows
+    on), each the geometric mean over `rows` of its seconds per call there. `time_at(r, many)`
+    times one path at r rows; both are timed once per row count, and once the many-row path has
+    won at two row counts in a row the few-row path is not timed further up (it only loses more,
+    and can take seconds a call)."""
     timed: dict[int, tuple[float, float]] = {}
 
     def measure():
         if timed:
             return timed
-        mods = _int4_copies(out_features, in_features, group_size, dtype, kernel)
-        dense_ahead = 0
-        for r in INT4_ROWS:
-            x = torch.randn(r, in_features).to(dtype)
-            res = []
-            for dense_rows in (None, 0):
-                if dense_rows is None and dense_ahead >= 2:
-                    # the dense path won at two row counts in a row: more rows only widen its lead,
-                    # and the int4 kernel at many rows can take seconds a call (float32)
-                    res.append(float("inf"))
-                    continue
-                for m in mods:
-                    m.dense_rows = dense_rows
-                res.append(time_calls(mods, lambda m: m(x)))
-            dense_ahead = dense_ahead + 1 if res[1] < res[0] else 0
-            timed[r] = (res[0], res[1])
+        many_ahead = 0
+        for r in rows:
+            few = float("inf") if many_ahead >= 2 else time_at(r, False)
+            many = time_at(r, True)
+            many_ahead = many_ahead + 1 if many < few else 0
+            timed[r] = (few, many)
         return timed
 
     def cost(threshold):
         return lambda: geomean(t[1] if threshold is not None and r >= threshold else t[0]
                                for r, t in measure().items())
 
-    return {"never": cost(None), **{str(r): cost(r) for r in INT4_ROWS}}
+    return {"never": cost(None), **{str(r): cost(r) for r in rows}}
+
+
+def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
+                    kernel: str = "torch") -> dict:
+    """Timers for kernel_choice's `int4_dense_rows` choice (switch_candidates over INT4_ROWS):
+    the few-row int4 `kernel` against dequantize + dense GEMM, weights rotating past the cache."""
+    mods: list = []
+
+    def time_at(r, many):
+        mods[:] = mods or _int4_copies(out_features, in_features, group_size, dtype, kernel)
+        x = torch.randn(r, in_features).to(dtype)
+        for m in mods:
+            m.dense_rows = 0 if many else None
+        return time_calls(mods, lambda m: m(x))
+    return switch_candidates(INT4_ROWS, time_at)
+
+
+# Row counts at which an LM head's two float32 paths are timed to place their switch
+FLOAT_HEAD_ROWS = (1, 2, 4, 8, 16, 64)
+
+
+def float_head_candidates(lin: nn.Module) -> dict:
+    """Timers for the switch between an LM head's few-row and many-row float32 paths
+    (switch_candidates over FLOAT_HEAD_ROWS), on copies of `lin`'s own shape: DenseLinear (bf16),
+    the gemv kernel's float32 output against two oneDNN passes; Int4Linear (vnni layout), the
+    two-level int8 kernel against a float32 dequantization and GEMM. Random weights: only
+    speed is measured."""
+    n, k = lin.out_features, lin.in_features
+    mods: list = []
+
+    def make_dense():
+        m = DenseLinear(torch.randn(n, k).to(torch.bfloat16))
+        m.set_impl(lin.impl)
+        m.float_out = True
+        return m
+
+    def time_at(r, many):
+        if not mods:
+            if isinstance(lin, DenseLinear):
+                mods[:] = rotating_copies(make_dense, n * k * 2, max_copies=4)
+            else:
+                mods[:] = _int4_copies(n, k, lin.group_size, lin.dtype, "vnni")
+                for m in mods:
+                    m.float_out = True
+        x = torch.randn(r, k).to(torch.bfloat16)
+        for m in mods:
+            if isinstance(m, DenseLinear):
+                m.float_gemv_rows = 0 if many else 1 << 30
+            else:
+                m.float_dense_rows = 0 if many else None
+        return time_calls(mods, lambda m: m(x))
+    return switch_candidates(FLOAT_HEAD_ROWS, time_at)
 
 
 def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
@@ -353,6 +467,18 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
     if isinstance(lin, DenseLinear):
         key = f"dense_linear/{dt}/{lin.out_features}x{lin.in_features}"
         lin.set_impl(chooser.choose(key, dense_candidates(lin.out_features, lin.in_features, dtype), "plain"))
+        if lin.float_out and dtype == torch.bfloat16 and lin.impl != "onednn" and bf16_gemv.available():
+            pick = chooser.choose(f"float_head_rows/{key}", float_head_candidates(lin), "1")
+            lin.float_gemv_rows = 1 << 30 if pick == "never" else int(pick)
+    elif isinstance(lin, Int4Linear) and lin.float_out:
+        # the torch kernel has no float32-output path worth having (a scalar loop, ~20x slower);
+        # the vnni layout has one (two-level int8 activations) where it builds
+        shape = f"{lin.out_features}x{lin.in_features}g{lin.group_size}"
+        lin.set_kernel("vnni")
+        if lin.kernel == "vnni":
+            pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/deq{DEQUANT_REV}",
+                                  float_head_candidates(lin), "never")
+            lin.float_dense_rows = None if pick == "never" else int(pick)
     elif isinstance(lin, Int4Linear):
         shape = f"{lin.out_features}x{lin.in_features}g{lin.group_size}"
         n, k, g = lin.out_features, lin.in_features, lin.group_size

@@ -13,7 +13,7 @@ from torch import nn
 
 from mixserve.layers.attention import AttentionMetadata, choose_decode_kernel, paged_attention
 from mixserve.layers.kernel_choice import KernelChooser
-from mixserve.layers.linear import DenseLinear, choose_linear_kernel
+from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 from mixserve.layers.paged_decode import paged_decode_attention
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
@@ -98,6 +98,11 @@ class LlamaForCausalLM(nn.Module):
                                        quant, rtn_group=rtn)
         else:
             self.lm_head = DenseLinear(self.embed_tokens.weight)
+        # logits leave the model in float32, accumulated so and never rounded to bf16 (a bf16 logit
+        # is a multiple of 0.125 at typical sizes: near-ties and logprobs would be that coarse)
+        self.lm_head.float_out = True
+        if isinstance(self.lm_head, Int4Linear):
+            self.lm_head.set_kernel("vnni")  # the layout with a float32-output path (where it builds)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
 
     def choose_kernels(self, chooser: KernelChooser) -> None:

@@ -65,9 +65,10 @@ def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
     return [0.0] * X.shape[1]
 
 
-def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser):
+def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser, head: bool = False):
     """A linear as the engine would build and run it here: DenseLinear / Int4Linear with the
-    kernel `chooser` picks for its shape (layers/kernel_choice.py)."""
+    kernel `chooser` picks for its shape (layers/kernel_choice.py); head: an LM head, with its
+    float32 result (`float_out`)."""
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
     g = torch.Generator().manual_seed(0)
@@ -78,6 +79,7 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
         s = torch.rand(out_f, in_f // group_size, generator=g).half() * 0.01
         z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
         lin = Int4Linear(q, s, z, group_size, None, dtype)
+    lin.float_out = head
     choose_linear_kernel(lin, chooser, dtype)
     return lin
 
@@ -141,7 +143,8 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 out[fmt][s.name] = {**out["bf16"][s.name], "note": f"runs dense in the engine: {why}"}
                 log(f"  {fmt:5} {s.name:8} runs dense ({why})")
                 continue
-            lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser)
+            lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
+                               head=s.name == "lm_head")
             kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
             nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
             timer = _rotating_timer(lin, nbytes)
