@@ -27,10 +27,13 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), std::string_view(""));
 }
 
-// bf16(x W^T + b + other): oneDNN applies the add post-op to the float32 accumulator before it
-// rounds, so other = -bf16(x W^T + b) gives the rounding residual (float32 logits, linear.py)
+// bf16(x W^T + b + other), the add applied to the float32 accumulator before it rounds, so
+// other = -bf16(x W^T + b) gives the rounding residual (float32 logits, linear.py): oneDNN's add
+// post-op for a prepacked weight; for a plain one without bias, addmm, whose beta term is added
+// to the accumulator too (oneDNN's add post-op on a plain weight ran a third slower at 64 rows)
 torch::Tensor onednn_linear_add(const torch::Tensor& x, const torch::Tensor& other, const torch::Tensor& weight,
                                 const std::optional<torch::Tensor>& bias) {
+  if (!weight.is_mkldnn() && !bias.has_value()) return at::addmm(other, x, weight.t());
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -59,7 +62,7 @@ _state = {"loaded": None}
 
 def _load() -> bool:
     if _state["loaded"] is None:
-        ok = build_extension("mixserve_graph_ops_v3", _SRC, ["loaded"]) is not None
+        ok = build_extension("mixserve_graph_ops_v4", _SRC, ["loaded"]) is not None
         if ok:
             torch.library.register_fake("mixserve::onednn_linear")(
                 lambda x, packed, bias, n: x.new_empty(*x.shape[:-1], n))
@@ -89,7 +92,10 @@ def onednn_linear_add(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor
     x [R, in] bf16; other [R, out] bf16; weight: [out, in] bf16, plain or prepacked. With other =
     -bf16(x @ W^T + b) the result is that rounding's residual, so other + result carries about 16
     significant bits (float32 logits, layers/linear.py). Falls back to oneDNN's own op where this
-    one does not build; the caller has checked torch.backends.mkldnn.is_available()."""
+    one does not build; the caller has checked torch.backends.mkldnn.is_available(). An op of
+    its own rather than addmm in the graph, so that Inductor cannot split the add off the GEMM."""
     if _load():
         return torch.ops.mixserve.onednn_linear_add(x, other, weight, bias)
+    if not weight.is_mkldnn and bias is None:
+        return torch.addmm(other, x, weight.t())
     return torch.ops.mkldnn._linear_pointwise.binary(x, other, weight, bias, "add")

@@ -108,9 +108,10 @@ bool available() {
 #endif
 }
 
-// x float [R, K] -> y float [R, N]. exact: each activation row goes in as two int8 rows, its
-// quantization and the quantization of what that left over (rows 2r and 2r + 1, so both share
-// every weight load), whose sum carries about 15 bits; the zero-point term uses x once, as is
+// x float [R, K] -> y float [R, N]. levels > 1: each activation row goes in as `levels` int8 rows,
+// its quantization, then the quantization of what that left over, and so on (rows
+// levels * r + i, so they share every weight load), whose sum keeps about 7 more bits per level;
+// the zero-point term uses x once, as is
 static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
   for (int64_t c = 0; c < K / 128; ++c) {
     const float* xc = xr + c * 128;
@@ -126,24 +127,28 @@ static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float*
   }
 }
 
-torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G, bool exact) {
+torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G, int64_t levels) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [R, K], contiguous");
   TORCH_CHECK(w.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
               "w uint8, s and m float16");
   const int64_t R = x.size(0), K = x.size(1), N = w.size(0), nc = K / 128, ng = K / G;
   TORCH_CHECK(K % 128 == 0 && G % 128 == 0 && K % G == 0 && w.size(1) == K / 2 && s.size(0) == N && s.size(1) == ng &&
               m.sizes() == s.sizes(), "int4_vnni: shapes do not agree");
-  const int64_t RQ = exact ? 2 * R : R;  // int8 rows through the kernel
+  TORCH_CHECK(levels >= 1 && levels <= 4, "int4_vnni: levels in 1..4");
+  const int64_t L = levels, RQ = L * R;  // int8 rows through the kernel
   auto y = torch::empty({RQ, N}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const float* xp = x.data_ptr<float>();
   std::vector<int8_t> xq(RQ * K);
-  std::vector<float> dx(RQ * nc), xs(RQ * ng, 0.f), rest(exact ? K : 0);
+  std::vector<float> dx(RQ * nc), xs(RQ * ng, 0.f), rest(2 * K);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = exact ? 2 * r : r;
-    quantize_row(xp + r * K, K, xq.data() + a * K, dx.data() + a * nc, exact ? rest.data() : nullptr);
-    if (exact) quantize_row(rest.data(), K, xq.data() + (a + 1) * K, dx.data() + (a + 1) * nc, nullptr);
-    for (int64_t k = 0; k < K; ++k) xs[a * ng + k / G] += xp[r * K + k];
+    const float* src = xp + r * K;
+    for (int64_t i = 0; i < L; ++i) {
+      float* left = rest.data() + (i % 2) * K;
+      quantize_row(src, K, xq.data() + (L * r + i) * K, dx.data() + (L * r + i) * nc, i + 1 < L ? left : nullptr);
+      src = left;
+    }
+    for (int64_t k = 0; k < K; ++k) xs[L * r * ng + k / G] += xp[r * K + k];
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* sp = s.data_ptr<at::Half>();
@@ -165,7 +170,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::T
 #else
   TORCH_CHECK(false, "int4_vnni: built without AVX512-VNNI");
 #endif
-  return exact ? y.view({R, 2, N}).sum(1) : y;
+  return L > 1 ? y.view({R, L, N}).sum(1) : y;
 }
 
 // dense weight for the many-row path: out [N, K] (float or bf16 bits) = q * s + m, with vector
@@ -250,7 +255,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, torch::Tensor s, torc
 }
 
 TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
-  lib.def("int4_vnni_matmul(Tensor x, Tensor w, Tensor s, Tensor m, int group_size, bool exact=False) -> Tensor");
+  lib.def("int4_vnni_matmul(Tensor x, Tensor w, Tensor s, Tensor m, int group_size, int levels=1) -> Tensor");
   lib.def("int4_vnni_linear_f32(Tensor x, Tensor w, Tensor s, Tensor m, int group_size) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
@@ -264,11 +269,11 @@ _state: dict = {}
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v7", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v8", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(
-                lambda x, w, s, m, g, exact=False: x.new_empty(x.shape[0], w.shape[0]))
+                lambda x, w, s, m, g, levels=1: x.new_empty(x.shape[0], w.shape[0]))
             torch.library.register_fake("mixserve::int4_vnni_linear_f32")(
                 lambda x, w, s, m, g: x.new_empty(x.shape[0], w.shape[0]))
         _state["mod"] = mod
@@ -300,16 +305,17 @@ def unpack(w: torch.Tensor) -> torch.Tensor:
 
 
 def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
-                     group_size: int, exact: bool = False) -> torch.Tensor:
+                     group_size: int, levels: int = 1) -> torch.Tensor:
     """y = x @ W^T for W[n, k] = q * s[n, g] + m[n, g] (g = k // group_size).
 
     Args:
         x: [R, K] any float dtype (computed from float32). Rows go through the weights four at a time,
             so its lead is at 1-2 rows (decode); the caller's dense switch takes many rows.
         w: uint8 [N, K / 2] from `pack`; s, m: float16 [N, K / group_size].
-        exact: quantize each row to int8 twice (the row, then its rounding residual), so the
-            activations keep about 15 bits instead of 8, for float32 logits from an int4 LM head
-            (within 1e-3 of a float32 product); two int8 rows per row, at about the cost of two.
+        levels: int8 rows per activation row (1-4): the row's quantization, then that of what it
+            left over, and so on; each level keeps about 7 more bits. 3 gives float32 logits from
+            an int4 LM head within 1e-4 of the float32 product on the 0.5B's hidden states (2 left
+            2e-3: their outlier channels set each chunk's scale); about the cost of 3 rows.
     Returns:
         float32 [R, N].
     Raises:
@@ -317,7 +323,7 @@ def int4_vnni_matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch
     """
     if _load() is None:
         raise RuntimeError("int4_vnni: the kernel is not available on this machine")
-    return torch.ops.mixserve.int4_vnni_matmul(x.float().contiguous(), w, s, m, group_size, exact)
+    return torch.ops.mixserve.int4_vnni_matmul(x.float().contiguous(), w, s, m, group_size, levels)
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -42,6 +42,9 @@ class DenseLinear(nn.Module):
         self.impl = "plain"
         self.float_out = False
         self.float_gemv_rows = 0  # float_out: rows below which the gemv kernel gives the result
+        # the plain weight is held elsewhere anyway (a tied LM head's embedding): kept beside a
+        # prepacked copy, it costs no memory and lets the gemv kernel serve few rows
+        self.keep_plain = False
 
     def set_impl(self, impl: str) -> None:
         """Switch kernel: "plain", "onednn" or "gemv"; a kernel that cannot take this weight
@@ -52,7 +55,8 @@ class DenseLinear(nn.Module):
         if impl == self.impl:
             return
         if self.packed is not None:
-            self.weight, self.packed = self.packed.to_dense(), None
+            self.weight = self.weight if self.weight is not None else self.packed.to_dense()
+            self.packed = None
         self.impl = "plain"
         if impl == "gemv" and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
                 and bf16_gemv.available():
@@ -61,13 +65,14 @@ class DenseLinear(nn.Module):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), batch_size=1)
                 graph_ops.available()  # registers the op a captured decode graph calls it through
-                self.weight, self.impl = None, "onednn"
+                self.weight = self.weight.contiguous() if self.keep_plain else None
+                self.impl = "onednn"
             except RuntimeError:
                 self.packed = None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor."""
-        return self.weight if self.packed is None else self.packed.to_dense()
+        return self.weight if self.weight is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_out:
@@ -81,11 +86,11 @@ class DenseLinear(nn.Module):
         there two oneDNN passes, y = bf16(xW + b) + bf16(xW + b - bf16(xW + b)), the second one
         adding the first's negation to its float32 accumulator before rounding, so the sum keeps
         about 16 significant bits (error ~1e-4 on a logit of 20). Which is cheaper at which rows
-        is measured (`float_head_candidates`). Without oneDNN: a float32 copy of W per call."""
+        is measured (`float_dense_head_candidates`). Without oneDNN: a float32 copy of W per call."""
         if self.dense_weight_dtype() == torch.float32:
             return self._forward(x).float()
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < self.float_gemv_rows and self.packed is None:
+        if x2.shape[0] < self.float_gemv_rows and self.weight is not None:
             y = bf16_gemv.gemv(x2, self.weight, self.bias, torch.float32)
         elif torch.backends.mkldnn.is_available() and x2.dtype == torch.bfloat16:
             hi = self._forward(x2)
@@ -97,7 +102,7 @@ class DenseLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def dense_weight_dtype(self) -> torch.dtype:
-        return self.weight.dtype if self.packed is None else self.packed.dtype
+        return self.weight.dtype if self.weight is not None else self.packed.dtype
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -290,13 +295,13 @@ class Int4Linear(nn.Module):
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> float32 [..., out], x @ float_weight()^T + b to ~1e-3. vnni layout:
-        below `float_dense_rows` rows the kernel with two-level int8 activations
-        (int4_vnni_matmul(exact=True)); from there the weight dequantized to float32 slice by
+        below `float_dense_rows` rows the kernel with three-level int8 activations
+        (int4_vnni_matmul(levels=3)); from there the weight dequantized to float32 slice by
         slice and PyTorch's float32 GEMM (int4_vnni.linear_f32); where to switch is measured
-        (`float_head_candidates`). PyTorch's layout (no VNNI): a float32 dequantization per call."""
+        (`float_int4_head_candidates`). PyTorch's layout (no VNNI): a float32 dequantization per call."""
         x2 = x.reshape(-1, self.in_features).float()
         if self.kernel == "vnni" and (self.float_dense_rows is None or x2.shape[0] < self.float_dense_rows):
-            y = int4_vnni.int4_vnni_matmul(x2, self.vq, self.vs, self.vm, self.group_size, exact=True)
+            y = int4_vnni.int4_vnni_matmul(x2, self.vq, self.vs, self.vm, self.group_size, levels=3)
         elif self.kernel == "vnni":
             y = int4_vnni.linear_f32(x2, self.vq, self.vs, self.vm, self.group_size)
         else:
@@ -426,35 +431,56 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
 FLOAT_HEAD_ROWS = (1, 2, 4, 8, 16, 64)
 
 
-def float_head_candidates(lin: nn.Module) -> dict:
-    """Timers for the switch between an LM head's few-row and many-row float32 paths
-    (switch_candidates over FLOAT_HEAD_ROWS), on copies of `lin`'s own shape: DenseLinear (bf16),
-    the gemv kernel's float32 output against two oneDNN passes; Int4Linear (vnni layout), the
-    two-level int8 kernel against a float32 dequantization and GEMM. Random weights: only
-    speed is measured."""
-    n, k = lin.out_features, lin.in_features
-    mods: list = []
+def float_dense_head_candidates(out_features: int, in_features: int, keep_plain: bool = False) -> dict:
+    """Timers for a bf16 DenseLinear LM head's float32 path (`forward_float`): "onednn" and
+    "plain" (two passes on the prepacked or plain weight at every row count), "gemv<R>" (the
+    gemv kernel's float32 output below R rows, plain two passes from there) and, where the plain
+    weight is kept anyway (`keep_plain`, a tied head), "onednn-gemv<R>" (gemv below R rows,
+    prepacked two passes from there); each the geometric mean over FLOAT_HEAD_ROWS of seconds
+    per call, weights rotating past the cache."""
+    timed: dict[str, dict[int, float]] = {}
 
-    def make_dense():
-        m = DenseLinear(torch.randn(n, k).to(torch.bfloat16))
-        m.set_impl(lin.impl)
-        m.float_out = True
-        return m
+    def measure():
+        if timed:
+            return timed
+        base = torch.randn(out_features, in_features).to(torch.bfloat16)
+        for variant in ("onednn", "plain", "gemv"):
+            def make():
+                m = DenseLinear(base.clone())
+                m.set_impl("onednn" if variant == "onednn" else "plain")
+                m.float_out, m.float_gemv_rows = True, (1 << 30) if variant == "gemv" else 0
+                return m
+            mods = rotating_copies(make, out_features * in_features * 2, max_copies=4)
+            timed[variant] = {r: time_calls(mods, lambda m, x=torch.randn(r, in_features).to(torch.bfloat16): m(x))
+                              for r in FLOAT_HEAD_ROWS}
+        return timed
+
+    cands = {v: (lambda v=v: geomean(measure()[v].values())) for v in ("onednn", "plain")}
+    if not _can_prepack(torch.empty(0, dtype=torch.bfloat16)):
+        del cands["onednn"]
+    if bf16_gemv.available():
+        for above in ("plain", "onednn") if keep_plain and "onednn" in cands else ("plain",):
+            for R in FLOAT_HEAD_ROWS[1:]:
+                name = f"gemv{R}" if above == "plain" else f"onednn-gemv{R}"
+                cands[name] = lambda R=R, above=above: geomean(measure()["gemv" if r < R else above][r]
+                                                               for r in FLOAT_HEAD_ROWS)
+    return cands
+
+
+def float_int4_head_candidates(lin: "Int4Linear") -> dict:
+    """Timers for an int4 (vnni layout) LM head's switch between its few-row and many-row float32
+    paths (switch_candidates over FLOAT_HEAD_ROWS): the three-level int8 kernel against a float32
+    dequantization and GEMM, on random weights of `lin`'s shape rotating past the cache."""
+    mods: list = []
 
     def time_at(r, many):
         if not mods:
-            if isinstance(lin, DenseLinear):
-                mods[:] = rotating_copies(make_dense, n * k * 2, max_copies=4)
-            else:
-                mods[:] = _int4_copies(n, k, lin.group_size, lin.dtype, "vnni")
-                for m in mods:
-                    m.float_out = True
-        x = torch.randn(r, k).to(torch.bfloat16)
+            mods[:] = _int4_copies(lin.out_features, lin.in_features, lin.group_size, lin.dtype, "vnni")
+            for m in mods:
+                m.float_out = True
+        x = torch.randn(r, lin.in_features).to(torch.bfloat16)
         for m in mods:
-            if isinstance(m, DenseLinear):
-                m.float_gemv_rows = 0 if many else 1 << 30
-            else:
-                m.float_dense_rows = 0 if many else None
+            m.float_dense_rows = 0 if many else None
         return time_calls(mods, lambda m: m(x))
     return switch_candidates(FLOAT_HEAD_ROWS, time_at)
 
@@ -464,27 +490,30 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
     picks for its shape and `dtype`; the one place that names these choices' keys, so the engine
     and `hw probe` time and run the same kernels. Other modules are left alone."""
     dt = str(dtype).removeprefix("torch.")
-    if isinstance(lin, DenseLinear):
+    if isinstance(lin, DenseLinear) and lin.float_out and dtype == torch.bfloat16:
+        n, k = lin.out_features, lin.in_features
+        tied = "/tied" if lin.keep_plain else ""
+        pick = chooser.choose(f"float_head/{dt}/{n}x{k}{tied}", float_dense_head_candidates(n, k, lin.keep_plain),
+                              "plain")
+        lin.set_impl("onednn" if pick.startswith("onednn") else "plain")
+        lin.float_gemv_rows = int(pick.rsplit("gemv", 1)[1]) if "gemv" in pick else 0
+    elif isinstance(lin, DenseLinear):
         key = f"dense_linear/{dt}/{lin.out_features}x{lin.in_features}"
         lin.set_impl(chooser.choose(key, dense_candidates(lin.out_features, lin.in_features, dtype), "plain"))
-        if lin.float_out and dtype == torch.bfloat16 and lin.impl != "onednn" and bf16_gemv.available():
-            pick = chooser.choose(f"float_head_rows/{key}", float_head_candidates(lin), "1")
-            lin.float_gemv_rows = 1 << 30 if pick == "never" else int(pick)
-    elif isinstance(lin, Int4Linear) and lin.float_out:
-        # the torch kernel has no float32-output path worth having (a scalar loop, ~20x slower);
-        # the vnni layout has one (two-level int8 activations) where it builds
-        shape = f"{lin.out_features}x{lin.in_features}g{lin.group_size}"
-        lin.set_kernel("vnni")
-        if lin.kernel == "vnni":
-            pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/deq{DEQUANT_REV}",
-                                  float_head_candidates(lin), "never")
-            lin.float_dense_rows = None if pick == "never" else int(pick)
     elif isinstance(lin, Int4Linear):
         shape = f"{lin.out_features}x{lin.in_features}g{lin.group_size}"
         n, k, g = lin.out_features, lin.in_features, lin.group_size
-        lin.set_kernel(chooser.choose(f"int4_kernel/{dt}/{shape}", int4_kernel_candidates(n, k, g, dtype), "torch"))
+        if lin.float_out:
+            # an LM head: the torch kernel has no float32-output path worth having (a scalar loop,
+            # ~20x slower); the vnni layout has one (multi-level int8 activations) where it builds
+            lin.set_kernel("vnni")
+        else:
+            lin.set_kernel(chooser.choose(f"int4_kernel/{dt}/{shape}", int4_kernel_candidates(n, k, g, dtype), "torch"))
         # where the many-row switch pays depends on the few-row kernel it switches from
         layout = "" if lin.kernel == "torch" else f"/{lin.kernel}"
         key = f"int4_dense_rows/{dt}/{shape}{layout}/deq{DEQUANT_REV}"
         pick = chooser.choose(key, int4_candidates(n, k, g, dtype, lin.kernel), "never")
         lin.dense_rows = None if pick == "never" else int(pick)
+        if lin.float_out and lin.kernel == "vnni":
+            pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/l3", float_int4_head_candidates(lin), "never")
+            lin.float_dense_rows = None if pick == "never" else int(pick)

@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
                                        quant, rtn_group=rtn)
         else:
             self.lm_head = DenseLinear(self.embed_tokens.weight)
+            self.lm_head.keep_plain = True  # the embedding holds the plain weight anyway
         # logits leave the model in float32, accumulated so and never rounded to bf16 (a bf16 logit
         # is a multiple of 0.125 at typical sizes: near-ties and logprobs would be that coarse)
         self.lm_head.float_out = True
