@@ -12,6 +12,10 @@ from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
 
+# read once: the query is not traceable, and a decode graph would break at it
+_MKLDNN = torch.backends.mkldnn.is_available()
+
+
 def _can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and weight.dtype in (torch.float32, torch.bfloat16))
@@ -92,7 +96,7 @@ class DenseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] < self.float_gemv_rows and self.weight is not None:
             y = bf16_gemv.gemv(x2, self.weight, self.bias, torch.float32)
-        elif torch.backends.mkldnn.is_available() and x2.dtype == torch.bfloat16:
+        elif _MKLDNN and x2.dtype == torch.bfloat16:
             hi = self._forward(x2)
             w = self.packed if self.packed is not None else self.weight
             y = hi.float() + graph_ops.onednn_linear_add(x2, hi.neg(), w, self.bias).float()

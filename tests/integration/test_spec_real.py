@@ -35,3 +35,67 @@ def test_qwen_pair_humaneval_greedy_equals_plain():
     assert sum(o.metrics["spec_accepted"] for o in spec) > 0
     assert llm.engine.runner.num_forwards == llm.engine.num_steps
 
+
+
+def _capture(engine, into: dict):
+    """logits_hook storing each logits row under the token prefix it predicts from."""
+    def hook(logits, rows):
+        r = 0
+        for it in rows:
+            for t in range(it.num_logits):
+                pos = it.end - it.num_logits + t
+                into[tuple(it.token_ids[:pos + 1])] = logits[r + t].clone()
+            r += it.num_logits
+    engine.logits_hook = hook
+
+
+def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path):
+    """bf16: a (k+1)-row verification forward and a 1-row decode step round the body's activations
+    differently, so their logits differ by a small noise; speculative greedy may then leave plain
+    greedy only where plain's top-2 gap is within that noise. The noise is measured here: the same
+    prefixes scored both ways (each prompt alone, and the batch of 4), as the change of the gap
+    between plain's top two tokens; the near-tie threshold is its largest value."""
+    prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
+               "import json\n\ndef load(path):"]
+    llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
+              num_speculative_tokens=4, speculation="fixed", progress=False)
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def run(mode, ps):
+        llm.engine.controller.mode = mode
+        cap = {}
+        _capture(llm.engine, cap)
+        return llm.generate(ps, sp), cap
+
+    gap_changes, logit_diffs, gaps, accepted = [], [], [], 0
+    batch = {}
+    for ps in [[p] for p in prompts] + [prompts]:
+        spec, cs = run("fixed", ps)
+        plain, cp = run("off", ps)
+        accepted += sum(o.metrics["spec_accepted"] for o in spec)
+        for key in cs.keys() & cp.keys():
+            a, b = cp[key].topk(2).indices.tolist()
+            gaps.append((cp[key][a] - cp[key][b]).item())
+            gap_changes.append(abs((cs[key][a] - cs[key][b]) - (cp[key][a] - cp[key][b])).item())
+            logit_diffs.append((cs[key] - cp[key]).abs().max().item())
+        if len(ps) == 4:
+            batch = {"spec": spec, "plain": plain, "plain_logits": cp}
+    threshold = max(gap_changes)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"\nbf16 noise, 1-row vs 5-row forwards over {len(gap_changes)} positions: top-2 gap change max "
+          f"{threshold:.4f} (median {med(gap_changes):.4f}); max |logit diff| over the vocabulary max "
+          f"{max(logit_diffs):.4f} (median {med(logit_diffs):.4f}); plain's median top-2 gap {med(gaps):.4f}")
+    assert accepted > 0 and len(gap_changes) > 100
+    assert 0 < threshold < med(gaps)  # the noise exists, and excuses only near-ties
+    same = 0
+    for s, p in zip(batch["spec"], batch["plain"]):
+        ids_s, ids_p = s.token_ids, p.token_ids
+        i = next((j for j, (x, y) in enumerate(zip(ids_s, ids_p)) if x != y), None)
+        if i is None:
+            same += 1
+            continue
+        ref = batch["plain_logits"][tuple(p.prompt_token_ids + ids_p[:i])]
+        top2 = ref.topk(2).values
+        gap = (top2[0] - top2[1]).item()
+        assert gap < threshold, f"diverged at token {i} where plain's top-2 gap {gap:.4f} >= {threshold:.4f}"
+    assert same >= 2  # most of the batch matches outright
