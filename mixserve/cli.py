@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "dense_linear=onednn,decode_attention=bmm,int4_dense_rows=64 (default %(default)s)")
     p.add_argument("--enforce-eager", dest="kernels", action="store_const", const="eager",
                    help="same as --kernels eager: the reference path")
+    p.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
+                   help="longest prompt whose token logprobs are returned (completions echo + logprobs, "
+                        "prompt scoring); longer ones are refused with a 400 (default %(default)s)")
     p.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="round the LM head to int4 at load in int4 models (on by default for them: the head is "
                         "a quarter of a 1.5B's int4 decode bytes otherwise); --no-quant-lm-head keeps it in the "

@@ -19,7 +19,8 @@ class SamplingParams:
         repetition_penalty: CTRL-style (Keskar et al. 2019) penalty on tokens seen in prompt or
             output: positive logits divided by it, negative multiplied; 1.0 disables.
         seed: per-request random seed; the same seed gives the same sample regardless of batching.
-        max_tokens: maximum number of generated tokens.
+        max_tokens: maximum number of generated tokens; 0 runs the prompt's prefill only (with
+            prompt_logprobs: scoring a text) and ends with finish_reason "length".
         min_tokens: end-of-sequence and stop token ids are masked until this many tokens exist.
         ignore_eos: keep generating past the model's end-of-sequence ids.
         stop: strings that end generation; they are cut from the returned text.
@@ -27,6 +28,9 @@ class SamplingParams:
         logprobs: if not None, return the sampled token's log-probability and the top-n
             alternatives (n = logprobs) under the model's unmodified distribution.
         skip_special_tokens: drop special tokens when detokenizing.
+        prompt_logprobs: if not None, the log-probability of every prompt token after the first
+            given the ones before it, with the top-n alternatives (n = prompt_logprobs), computed in
+            the prompt's own prefill (vLLM's name): RequestOutput.prompt_logprobs.
 
     Raises:
         ValueError: from `validate()` when a value is out of range, naming the field.
@@ -47,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,8 +84,8 @@ class SamplingParams:
         for name in ("max_tokens", "min_tokens", "top_k"):
             if not _is_int(getattr(self, name)):
                 bad(name, "must be an integer")
-        if self.max_tokens < 1:
-            bad("max_tokens", "must be >= 1")
+        if self.max_tokens < 0:
+            bad("max_tokens", "must be >= 0")
         if self.min_tokens < 0:
             bad("min_tokens", "must be >= 0")
         if self.min_tokens > self.max_tokens:
@@ -101,6 +106,9 @@ class SamplingParams:
             bad("repetition_penalty", "must be > 0")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "must be an integer in [0, 20]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2**63)")
         if not isinstance(self.ignore_eos, bool):

@@ -62,6 +62,9 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     logprobs: list = field(default_factory=list)
+    # prompt scoring (params.prompt_logprobs): TokenLogprobs of prompt token i + 1 at index i,
+    # filled chunk by chunk during prefill; kept across preemption, so a recompute adds nothing
+    prompt_logprobs: list = field(default_factory=list)
     # per output token whose text has been decoded, the index in `text` where that text starts
     # (engine/detokenizer.py); a token not listed yet has no text so far
     token_starts: list = field(default_factory=list)

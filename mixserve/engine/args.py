@@ -66,6 +66,9 @@ class EngineArgs:
         it: one region per sequence reserved at admission, see kv/contiguous.py).
     reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
         (prompt + max_tokens). Ignored by the paged allocator.
+    max_scored_prompt_tokens: longest prompt for prompt logprobs (SamplingParams.prompt_logprobs,
+        the server's echo + logprobs); a longer one is refused (check_request). Each scored token
+        keeps its logprob and top-n alternatives until the request ends, and the answer lists them.
     kernels: "auto" (each kernel measured once per machine and cached, layers/kernel_choice.py;
         $MIXSERVE_KERNELS overrides), "eager" (PyTorch's plain eager kernels everywhere: the
         reference) or overrides "dense_linear=plain,decode_attention=bmm,...".
@@ -89,6 +92,7 @@ class EngineArgs:
     kv_allocator: str = "paged"
     reserve: str = "max-model-len"
     kernels: str = "auto"
+    max_scored_prompt_tokens: int = 8192
 
     @property
     def int4_lm_head(self) -> bool:

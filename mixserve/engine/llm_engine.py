@@ -35,6 +35,8 @@ class RequestOutput:
         ("error": the request's logits were not finite; stop_reason says so).
     logprobs: a TokenLogprobs (when asked for) per generated token whose text starts within `text`
         as handed out so far (see `_text_logprobs`).
+    prompt_logprobs: when params.prompt_logprobs is set, once the prefill is done: a TokenLogprobs
+        per prompt token after the first (log p(token_i | tokens_<i)), in prompt order.
     metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
         ttft, e2e — and num_preemptions.
     """
@@ -50,6 +52,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -196,6 +199,10 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
                              f"tokens exceeds max_model_len {self.max_model_len}")
+        if params.prompt_logprobs is not None and len(ids) > self.args.max_scored_prompt_tokens:
+            raise ValueError(f"prompt: {len(ids)} tokens; prompt scoring (prompt logprobs, echo with logprobs) "
+                             f"takes at most {self.args.max_scored_prompt_tokens} prompt tokens "
+                             f"(--max-scored-prompt-tokens)")
         if self.block_manager.blocks_for(len(ids) + 1) > self.num_blocks:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room for an output token in the KV cache "
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
@@ -243,6 +250,7 @@ class LLMEngine:
         self.requests[request_id] = seq
         lead = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if (lead is not None and lead is not seq and self.proposer is None and lead.prompt_token_ids == ids
+                and params.prompt_logprobs is None  # a follower skips the prefill that scores
                 and self.args.kv_allocator == "paged"
                 and lead.num_computed_tokens < len(ids) and not lead.is_finished):
             self._followers.setdefault(lead.seq_id, []).append(seq)
@@ -275,6 +283,40 @@ class LLMEngine:
         for f in self._followers.pop(seq.seq_id, []):  # its followers prefill for themselves
             self.scheduler.add(f)
             self._num_followers -= 1
+
+    def _item(self, s, token_ids: list[int], end: int, num_logits: int) -> BatchItem:
+        """The BatchItem of scheduled `s`: no logits for a prefill-only request (max_tokens 0),
+        and for prompt scoring the span's prompt positions not scored yet (a recompute after
+        preemption scores nothing twice; the last prompt position predicts output, not prompt)."""
+        seq, p = s.seq, s.seq.params
+        if p.max_tokens == 0:
+            num_logits = 0
+        it = BatchItem(seq.seq_id, token_ids, s.start, end, num_logits)
+        if p.prompt_logprobs is not None:
+            a, b = max(s.start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+            if a < b:
+                it.score, it.top_k = (a, b), p.prompt_logprobs
+        return it
+
+    def _keep_scores(self, items: list[BatchItem], by_id: dict) -> None:
+        for it in items:
+            seq = by_id.get(it.seq_id)
+            if it.scores is not None and seq is not None and it.score[0] == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.extend(it.scores)
+
+    def _finish_prefill_only(self, sched) -> list[RequestOutput]:
+        """Requests with max_tokens 0 whose prefill this step completed end now, with no token
+        and finish_reason "length" (prompt scoring: echo + logprobs + max_tokens 0)."""
+        outs, now = [], time.perf_counter()
+        for s in sched.scheduled:
+            seq = s.seq
+            if seq.params.max_tokens == 0 and not seq.is_finished and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.finish_reason, seq.finish_time = "length", now
+                seq.first_token_time = seq.first_token_time or now
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+                outs.append(self.make_output(seq))
+        return outs
 
     def _drop_poisoned(self, logits: torch.Tensor, rows: list, by_id: dict) -> tuple[torch.Tensor, list, list]:
         """Rows of `logits` [sum of num_logits, V] that hold a NaN or an infinity (fp16 overflow, a
@@ -356,7 +398,7 @@ class LLMEngine:
         # the draft's prefill counts in TTFT rather than in the first speculative step.
         if k or (self.controller.mode != "off" and any(s.num_new_tokens > 1 for s in sched.scheduled)):
             return self._spec_step(sched, k)
-        items = [BatchItem(s.seq.seq_id, s.seq.token_ids, s.start, s.end, int(s.samples)) for s in sched.scheduled]
+        items = [self._item(s, s.seq.token_ids, s.end, int(s.samples)) for s in sched.scheduled]
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         t0 = time.perf_counter()
         logits, rows = self.runner.run(items, sched.copies)
@@ -368,12 +410,14 @@ class LLMEngine:
         # only now: if sampling raised, the step can be rerun with nothing half-applied
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
+        self._keep_scores(items, by_id)
         if self._followers:  # before any leader can finish and free its blocks
             self._release_followers([s.seq for s in sched.scheduled])
         if rows:
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
+        outputs += self._finish_prefill_only(sched)
         # the cost model compares whole steps: forward, sampling and output handling
         self.last_step_tokens = sum(it.end - it.start for it in items)
         self.controller.target.record(self.last_step_tokens, time.perf_counter() - t0)
@@ -397,8 +441,7 @@ class LLMEngine:
         items = []
         for s in sched.scheduled:
             d = drafts.get(s.seq.seq_id, [])
-            items.append(BatchItem(s.seq.seq_id, s.seq.token_ids + d, s.start, s.end + len(d),
-                                   len(d) + 1 if s.samples else 0))
+            items.append(self._item(s, s.seq.token_ids + d, s.end + len(d), len(d) + 1 if s.samples else 0))
         logits, rows = self.runner.run(items, sched.copies)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         logits, rows, failed = self._drop_poisoned(logits, rows, by_id)
@@ -413,7 +456,8 @@ class LLMEngine:
         processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
-        outputs, r, now = failed, 0, time.perf_counter()
+        self._keep_scores(items, by_id)
+        outputs, r, now = failed + self._finish_prefill_only(sched), 0, time.perf_counter()
         for it in rows:
             seq, m = by_id[it.seq_id], it.num_logits
             d = drafts.get(it.seq_id, [])
@@ -532,6 +576,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=self._text_logprobs(seq) if seq.params.logprobs is not None else None,
+            prompt_logprobs=(seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+                             and len(seq.prompt_logprobs) >= seq.num_prompt_tokens - 1 else None),
             metrics={
                 "arrival": seq.arrival_time, "first_scheduled": seq.first_scheduled_time,
                 "first_token": seq.first_token_time, "finish": seq.finish_time,

@@ -7,12 +7,13 @@ sequence's context is. Only the rows that sample get logits.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from mixserve.engine.sampler import token_logprobs
 from mixserve.models.config import ModelConfig
 
 log = logging.getLogger("mixserve")
@@ -20,6 +21,8 @@ log = logging.getLogger("mixserve")
 # Decode rows are split into a new attention group once the next row's context is shorter than
 # _GROUP_RATIO of the group's longest and the group has _MIN_GROUP rows: less padding to gather.
 _GROUP_RATIO = 0.7
+# prompt scoring: LM-head rows per slice (64 x 151,936 float32 logits = 39 MB at a time)
+SCORE_SLICE_ROWS = 64
 _MIN_GROUP = 8
 
 
@@ -53,6 +56,9 @@ class BatchItem:
     token_ids: the sequence's tokens (at least `end` of them); num_logits: how many of the last
     positions of the span need next-token logits (0 for a prefill chunk that does not reach the
     end, 1 for a normal step, K+1 for speculative verification).
+    score: prompt scoring, positions [a, b) inside [start, end) whose next token token_ids[p + 1]
+    is scored (its logprob, rank and the top_k alternatives); `run` fills `scores` with one
+    sampler.TokenLogprobs per position, computed from the same forward.
     """
 
     seq_id: int
@@ -60,6 +66,9 @@ class BatchItem:
     start: int
     end: int
     num_logits: int = 1
+    score: tuple[int, int] | None = None
+    top_k: int = 0
+    scores: list | None = None
 
 
 @dataclass
@@ -69,6 +78,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # int64 [N]
     items: list[BatchItem]  # in logits order: item i owns the next items[i].num_logits rows
+    score_rows: list[int] = field(default_factory=list)  # rows scored (prompt logprobs), by item
+    score_items: list[BatchItem] = field(default_factory=list)  # items with a score span, in that order
 
 
 class ModelRunner:
@@ -161,6 +172,10 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             if it.num_logits:
                 logit_rows.append(i)
+        score_rows: list[int] = []
+        for i, it in enumerate(decode):
+            if it.score:
+                score_rows += [i + p - it.start for p in range(*it.score)]
         for start, end in decode_group_bounds([it.start + 1 for it in decode]):
             self._decode_group(meta, decode, start, end, block_table)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
@@ -178,6 +193,8 @@ class ModelRunner:
                 span = PrefillSpan(row0, len(ids), self._slot_tensor(table, 0, it.end), mask)
             meta.prefills.append(span)
             logit_rows += range(len(ids) - it.num_logits, len(ids))
+            if it.score:
+                score_rows += [row0 + p - it.start for p in range(*it.score)]
         meta.slot_mapping = torch.cat(slot_parts)
         return PreparedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -185,6 +202,8 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logit_rows, dtype=torch.long),
             items=[it for it in decode + multi if it.num_logits],
+            score_rows=score_rows,
+            score_items=[it for it in decode + multi if it.score],
         )
 
     def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int,
@@ -211,7 +230,7 @@ class ModelRunner:
         """Run one forward pass over `items`. Returns (float32 logits [N, vocab], the items that
         own them, in row order: each owns its num_logits consecutive rows)."""
         self.copy_blocks(list(copies))
-        if self.graph is not None and self.graph.accepts(items):
+        if self.graph is not None and not any(it.score for it in items) and self.graph.accepts(items):
             self.num_forwards += 1
             return self.graph.run(items, self.bm.block_table), list(items)
         return self.run_eager(items)
@@ -219,6 +238,30 @@ class ModelRunner:
     def run_eager(self, items: list[BatchItem], block_table=None) -> tuple[torch.Tensor, list[BatchItem]]:
         """`run` on the eager path (the reference), whatever the batch."""
         batch = self.prepare(items, block_table)
-        logits = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices)
+        if not batch.score_rows:
+            logits = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices)
+        else:
+            logits, hidden = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices,
+                                        torch.tensor(batch.score_rows, dtype=torch.long))
+            self._score(hidden, batch.score_items)
         self.num_forwards += 1
         return logits, batch.items
+
+    def _score(self, hidden: torch.Tensor, items: list[BatchItem]) -> None:
+        """Prompt scoring: each item's scored positions' TokenLogprobs into `item.scores`, from
+        their final hidden states [M, hidden] (items' positions in order). The LM head runs over
+        SCORE_SLICE_ROWS rows at a time and only the token's logprob, rank and top-k are kept: a
+        whole prompt's float32 logits would be 0.6 MB a token at a 151,936-word vocabulary."""
+        targets, tops, owners = [], [], []
+        for it in items:
+            a, b = it.score
+            targets += it.token_ids[a + 1:b + 1]
+            tops += [it.top_k] * (b - a)
+            owners += [it] * (b - a)
+            it.scores = []
+        for s0 in range(0, len(targets), SCORE_SLICE_ROWS):
+            s1 = min(len(targets), s0 + SCORE_SLICE_ROWS)
+            logits = self.model.compute_logits(hidden[s0:s1])
+            lps = token_logprobs(logits, torch.tensor(targets[s0:s1]), targets[s0:s1], tops[s0:s1])
+            for it, lp in zip(owners[s0:s1], lps):
+                it.scores.append(lp)

@@ -367,25 +367,32 @@ class Sampler:
 
     @staticmethod
     def logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                  params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+                 params: list[SamplingParams]) -> list[TokenLogprobs | None]:
         """Raw-distribution log-probabilities of `tokens` [N] under `raw` logits [N, V] (float32),
         plus the top-n alternatives for rows whose params ask for logprobs (None elsewhere)."""
-        result: list[TokenLogprobs | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
-            return result
-        idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
-        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
-        tok_lp = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
-        ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
-        tok_lp_list = tok_lp.squeeze(1).tolist()
-        n_top = min(max(params[i].logprobs for i in rows), raw.shape[1])
-        if n_top > 0:
-            top_v, top_i = lp.topk(n_top, dim=-1)
-            top_v_list, top_i_list = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(rows):
-            k = params[i].logprobs
-            top = list(zip(top_i_list[j][:k], top_v_list[j][:k])) if k else []
-            result[i] = TokenLogprobs(token_id=token_list[i], logprob=tok_lp_list[j],
-                                      rank=int(ranks[j]), top=top)
+        return token_logprobs(raw, tokens, token_list, [p.logprobs for p in params])
+
+
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                   n_tops: list[int | None]) -> list[TokenLogprobs | None]:
+    """TokenLogprobs of `tokens` [N] (int64; token_list the same ids) under `raw` logits [N, V]
+    (float32, log_softmax taken here), with the n_tops[i] most likely alternatives for row i;
+    None for rows whose n_tops[i] is None."""
+    result: list[TokenLogprobs | None] = [None] * len(n_tops)
+    rows = [i for i, n in enumerate(n_tops) if n is not None]
+    if not rows:
         return result
+    idx = torch.tensor(rows, dtype=torch.long, device=raw.device)
+    lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+    tok_lp = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
+    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+    tok_lp_list = tok_lp.squeeze(1).tolist()
+    n_top = min(max(n_tops[i] for i in rows), raw.shape[1])
+    if n_top > 0:
+        top_v, top_i = lp.topk(n_top, dim=-1)
+        top_v_list, top_i_list = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(rows):
+        k = n_tops[i]
+        top = list(zip(top_i_list[j][:k], top_v_list[j][:k])) if k else []
+        result[i] = TokenLogprobs(token_id=token_list[i], logprob=tok_lp_list[j], rank=int(ranks[j]), top=top)
+    return result

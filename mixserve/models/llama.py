@@ -124,15 +124,25 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, score_indices: torch.Tensor | None = None):
         """input_ids, positions: int64 [T]; logits_indices: int64 [N] rows of the batch whose
-        next-token logits are wanted. Returns float32 logits [N, vocab_size]."""
+        next-token logits are wanted. Returns float32 logits [N, vocab_size]; with
+        score_indices (int64 [M], rows whose next-token distribution is scored, prompt
+        logprobs), (those logits, the final-norm hidden states [M, hidden] of the scored rows),
+        for the caller to put through `compute_logits` a slice at a time."""
         x = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions)  # one lookup per step, not per layer
         for layer in self.layers:
             x = layer(x, tables, meta, self.rope)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x[logits_indices])).float()
+        if score_indices is None:
+            return logits
+        return logits, self.norm(x[score_indices])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [M, hidden] -> float32 logits [M, vocab_size]."""
+        return self.lm_head(hidden).float()
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:

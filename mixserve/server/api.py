@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mixserve.engine.llm_engine import LLMEngine, RequestOutput
 from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
-from mixserve.server.logprobs import OffsetCounter, TokenText, chat_logprobs, completion_logprobs
+from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
+                                      prompt_logprobs)
 from mixserve.server.metrics import ServerMetrics
 from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, field_error,
                                       parse_request, sampling_params)
@@ -86,6 +87,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     offsets: OffsetCounter = field(default_factory=OffsetCounter)  # text_offset of streamed logprobs
+    prompt_logprobs: list | None = None  # echo + logprobs: the engine's prompt TokenLogprobs
 
 
 @dataclass
@@ -314,8 +316,6 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         if kind == "completions":
             prompts = completion_prompts(req)
             logprobs = req.logprobs
-            if req.echo and logprobs is not None:
-                raise bad_request("echo", "echo: not supported together with logprobs (no prompt logprobs)")
         else:
             prompts = [chat_prompt(req)]
             if req.top_logprobs is not None and not req.logprobs:
@@ -335,7 +335,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             for j in range(req.n):
                 k = len(choices)
                 seed = None if req.seed is None else (req.seed + k) % 2**63
-                sp = sampling_params(req, max_tokens, seed, logprobs)
+                # echo + logprobs: the prompt's own token logprobs too (prompt scoring); every
+                # sample of the prompt scores it in its own prefill (no shared prefill then)
+                scored = logprobs if kind == "completions" and req.echo and logprobs is not None else None
+                sp = sampling_params(req, max_tokens, seed, logprobs, scored)
                 try:
                     engine.check_request(ids, sp)
                 except ValueError as e:
@@ -451,6 +454,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             new_lps = out.logprobs[len(c.logprobs):]
             c.logprobs = out.logprobs
         c.text.append(out.new_text)
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             c.finish_reason = out.finish_reason
         return new_ids, new_lps
@@ -487,11 +492,13 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         for c in job.choices:
             text = "".join(c.text)
             if job.kind == "completions":
-                if job.req.echo:
-                    text = prompt_text(job, c) + text
-                lp = completion_logprobs(c.logprobs, token_text, OffsetCounter())
+                echoed = prompt_text(job, c) if job.req.echo else ""
+                lp = completion_logprobs(c.logprobs, token_text, OffsetCounter(len(echoed)))
                 if lp is None and job.logprobs is not None:  # asked for, and no token in the text
                     lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                if job.req.echo and job.logprobs is not None:
+                    lp = join_logprobs(prompt_logprobs(c.prompt_ids, c.prompt_logprobs, token_text), lp)
+                text = echoed + text
                 ch = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
             else:
                 lp = chat_logprobs(c.logprobs, token_text)
@@ -556,13 +563,21 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         try:
             if job.kind == "chat":
                 yield chunk([choice(c, "", [], [], first=True) for c in job.choices])
-            elif req.echo:
+            elif req.echo and job.logprobs is None:
                 yield chunk([choice(c, prompt_text(job, c), [], []) for c in job.choices])
+            echo_due = {c.index for c in job.choices} if req.echo and job.logprobs is not None else set()
             by_id, left = job.by_id(), len(job.choices)
             while left:
                 c, out = await next_output(job, by_id)
                 new_ids, new_lps = absorb(job, c, out)
                 left -= out.finished
+                if c.index in echo_due and c.prompt_logprobs is not None:
+                    # the echo waits for the prefill that scores the prompt
+                    echo_due.discard(c.index)
+                    echoed = prompt_text(job, c)
+                    yield chunk([{"index": c.index, "text": echoed, "finish_reason": None,
+                                  "logprobs": prompt_logprobs(c.prompt_ids, c.prompt_logprobs, token_text)}])
+                    c.offsets = OffsetCounter(len(echoed))
                 if out.new_text or out.finished or (new_ids and (req.return_token_ids or job.logprobs is not None)):
                     yield chunk([choice(c, out.new_text, new_ids, new_lps, final=out.finished)])
             if include_usage:

@@ -114,6 +114,31 @@ def completion_logprobs(lps: list, text: TokenText | None, offsets: OffsetCounte
             "text_offset": text_offset}
 
 
+def prompt_logprobs(prompt_ids: list[int], lps: list | None, text: TokenText | None) -> dict:
+    """The `logprobs` object of an echoed prompt (completions, echo + logprobs: how evaluation
+    harnesses score a text): every prompt token, its logprob given the tokens before it and its
+    top alternatives from the engine's prompt TokenLogprobs `lps` (one per token after the
+    first), `null` for the first token, as OpenAI's legacy completions do; offsets from 0.
+    Without `lps` (the request ended before its prefill) the lists are empty."""
+    if lps is None or len(lps) != len(prompt_ids) - 1:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offsets = OffsetCounter()
+    rest = completion_logprobs(lps, text, OffsetCounter()) or {"tokens": [], "token_logprobs": [],
+                                                                "top_logprobs": [], "text_offset": []}
+    tokens = [text.string(i) if text else "" for i in prompt_ids]
+    text_offset = [offsets.advance(text.bytes(i) if text and text.in_text(i) else b"") for i in prompt_ids]
+    return {"tokens": tokens, "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": text_offset}
+
+
+def join_logprobs(first: dict, second: dict | None) -> dict:
+    """Two completion `logprobs` objects one after the other (an echoed prompt's, then the
+    generated text's, whose offsets already count the prompt's characters)."""
+    if second is None:
+        return first
+    return {k: first[k] + second[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def chat_logprobs(lps: list, text: TokenText | None) -> dict | None:
     """The `logprobs` object of a chat choice (or stream chunk): per token its string, logprob,
     raw `bytes` and top alternatives. None when logprobs were not asked for."""

@@ -151,11 +151,14 @@ def parse_request(kind: str, body) -> CompletionRequest | ChatCompletionRequest:
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, seed: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one choice. Raises APIError(400) naming the field (in the request's
     own words: `top_logprobs` for chat, `max_completion_tokens` if that was given)."""
+    if max_tokens == 0 and isinstance(req, ChatCompletionRequest):
+        field = "max_completion_tokens" if req.max_tokens is None else "max_tokens"
+        raise bad_request(field, f"{field}: must be >= 1 (a reply of no tokens is not a reply)")
     try:
-        return SamplingParams(
+        return SamplingParams(prompt_logprobs=prompt_logprobs,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, seed=seed, max_tokens=max_tokens,

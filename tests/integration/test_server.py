@@ -317,7 +317,7 @@ C, CH = "completions", "chat/completions"
 BAD = [
     (C, {"prompt": ""}, "prompt"), (C, {"prompt": []}, "prompt"), (C, {"prompt": 123}, "prompt"),
     (C, {"prompt": [1, True]}, "prompt"), (C, {"prompt": [10**7]}, "prompt"), (C, {"prompt": LONG}, "prompt"),
-    (C, {"prompt": "hi", "max_tokens": 600}, "max_tokens"), (C, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (C, {"prompt": "hi", "max_tokens": 600}, "max_tokens"), (C, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     (C, {"prompt": "hi", "max_tokens": "10"}, "max_tokens"), (C, {"prompt": "hi", "temperature": "hot"}, "temperature"),
     (C, {"prompt": "hi", "temperature": -1}, "temperature"), (C, {"prompt": "hi", "top_p": 1.5}, "top_p"),
     (C, {"prompt": "hi", "top_k": 1.5}, "top_k"), (C, {"prompt": "hi", "min_p": 2}, "min_p"),
@@ -327,7 +327,7 @@ BAD = [
     (C, {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
     (C, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     (C, {"prompt": "hi", "model": "gpt-4"}, "model"), (C, {"prompt": "hi", "model": None}, "model"),
-    (C, {}, "prompt"), (C, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    (C, {}, "prompt"), (C, {"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
     (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     (C, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"), (C, {"prompt": "hi", "suffix": "x"}, "suffix"),
     (C, {"prompt": "hi", "best_of": 2}, "best_of"), (C, {"prompt": "hi", "foo": 1}, "foo"),
@@ -552,3 +552,62 @@ def test_online_bench_against_server(server, smollm2_path, tmp_path):
     main(["bench", "--url", server.url, "--api-key", KEY, "--model", smollm2_path, "--dataset", str(trace),
           "--num-prompts", "2", "--request-rate", "inf", "--slo", "ttft=0.1ms", "--output", str(strict)])
     assert json.loads(strict.read_text())["good_requests"] == 0
+
+
+# -- prompt scoring: echo + logprobs + max_tokens 0 -------------------------------------------------
+def test_prompt_scoring_echo_logprobs_equal_float32_reference(server, client, smollm2_path):
+    """How evaluation harnesses score a text: the prompt's token logprobs (first null) equal a
+    float32 HF forward's log-softmax; no token is generated; streamed, the echo chunk carries them."""
+    from tests.integration.test_real_models import hf_model
+
+    prompt = "def add(a, b):\n    return a + b\n"
+    r = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    ch = r.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ch.logprobs.tokens)
+    lp = ch.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    ids = server.engine.tokenizer.encode(prompt)
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model(smollm2_path)(torch.tensor([ids])).logits[0].float()
+    ref = logits.log_softmax(-1)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4, i
+        assert len(lp.top_logprobs[i]) == 2
+        best = max(lp.top_logprobs[i].values())
+        assert abs(best - ref[i - 1].max().item()) < 1e-4
+    # with generated tokens after the echo: the prompt's entries, then the generation's, offsets running on
+    r2 = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=5, temperature=0)
+    lp2 = r2.choices[0].logprobs
+    n = len(ids)
+    assert lp2.token_logprobs[0] is None and len(lp2.tokens) > n
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp2.token_logprobs[1:n], lp.token_logprobs[1:]))
+    assert "".join(lp2.tokens) == r2.choices[0].text and lp2.text_offset[n] == len(prompt)
+    # streamed: the echo chunk (prompt + its logprobs) first, then the generated text
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=3,
+                                            temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs[0] is None
+    assert len(first.logprobs.tokens) == n
+    plain3 = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0).choices[0].text
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt + plain3
+
+
+def test_prompt_scoring_limits_and_max_tokens_zero(server):
+    url, h = server.url, {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": NAME, "prompt": "hello", "max_tokens": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "" \
+        and r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(url + "/v1/chat/completions", headers=h, timeout=60,
+                   json={"model": NAME, "messages": CHAT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    # n > 1 with echo + logprobs: every choice carries the same prompt logprobs
+    r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": NAME, "prompt": "one two three", "max_tokens": 2, "n": 2, "echo": True,
+                         "logprobs": 0, "temperature": 0})
+    a, b = (c["logprobs"] for c in r.json()["choices"])
+    assert a["tokens"][:3] == b["tokens"][:3] and a["token_logprobs"][1:3] == pytest.approx(b["token_logprobs"][1:3])

@@ -148,7 +148,7 @@ def test_refusals(tiny):
     with pytest.raises(ValueError, match="prompt"):
         eng.add_request(list(range(130)), SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     assert not eng.has_unfinished()
     # a good request still runs after the refusals
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]

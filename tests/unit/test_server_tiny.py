@@ -393,3 +393,44 @@ def test_an_exception_in_a_forward_fails_only_that_steps_requests(tiny_folder):
         assert srv.wait_idle(30) and eng.block_manager.num_used_blocks == 0
     finally:
         srv.stop()
+
+
+def test_prompt_scoring_over_http_limit_stream_and_max_tokens_zero(tiny_folder):
+    """echo + logprobs + max_tokens 0 returns the prompt's token logprobs (first null), equal to
+    the engine's own prompt scoring; a prompt over --max-scored-prompt-tokens is a 400 that says
+    so; streamed, the echo chunk carries them; the server goes on afterwards."""
+    from mixserve.llm import LLM
+
+    eng = LLMEngine(EngineArgs(model=tiny_folder, dtype="float32", kv_cache_memory="8MiB", progress=False,
+                               max_scored_prompt_tokens=12))
+    srv = LiveServer(eng, ServerConfig("tiny"))
+    try:
+        url = srv.url + "/v1/completions"
+        ids = [5, 9, 17, 33, 2, 8, 41, 7, 3, 99, 12, 60]
+        body = {"model": "tiny", "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0}
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert ch["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+        lp = ch["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["token_logprobs"]) == 12
+        ref = LLM(tiny_folder, dtype="float32", kv_cache_memory="8MiB", progress=False).generate(
+            [ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0].prompt_logprobs
+        assert lp["token_logprobs"][1:] == pytest.approx([x.logprob for x in ref], abs=1e-5)
+        r = httpx.post(url, json={**body, "prompt": ids + [1]}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt" and "12" in err["message"] \
+            and "scoring" in err["message"]
+        with httpx.stream("POST", url, json={**body, "stream": True, "max_tokens": 2, "ignore_eos": True},
+                          timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        first = events[0]["choices"][0]
+        assert first["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+        gen = [e["choices"][0] for e in events[1:] if e["choices"]]
+        assert sum(len(c["logprobs"]["tokens"]) for c in gen if c["logprobs"]) == 2
+        assert gen[-1]["finish_reason"] == "length"
+        r = httpx.post(url, json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        assert srv.wait_idle(30) and eng.block_manager.num_free_blocks == eng.num_blocks
+    finally:
+        srv.stop()
