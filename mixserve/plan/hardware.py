@@ -65,10 +65,11 @@ def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
     return [0.0] * X.shape[1]
 
 
-def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser, head: bool = False):
+def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser, head: bool = False,
+                 tied: bool = False):
     """A linear as the engine would build and run it here: DenseLinear / Int4Linear with the
     kernel `chooser` picks for its shape (layers/kernel_choice.py); head: an LM head, with its
-    float32 result (`float_out`)."""
+    float32 result (`float_out`); tied: a dense head whose plain weight the embedding holds."""
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
     g = torch.Generator().manual_seed(0)
@@ -80,6 +81,8 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
         z = torch.randint(0, 16, (out_f, in_f // group_size), generator=g, dtype=torch.int32)
         lin = Int4Linear(q, s, z, group_size, None, dtype)
     lin.float_out = head
+    if isinstance(lin, DenseLinear):
+        lin.keep_plain = head and tied
     choose_linear_kernel(lin, chooser, dtype)
     return lin
 
@@ -144,7 +147,7 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 log(f"  {fmt:5} {s.name:8} runs dense ({why})")
                 continue
             lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
-                               head=s.name == "lm_head")
+                               head=s.name == "lm_head", tied=cfg.tie_word_embeddings)
             kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
             nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
             timer = _rotating_timer(lin, nbytes)

@@ -565,7 +565,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 yield chunk([choice(c, "", [], [], first=True) for c in job.choices])
             elif req.echo and job.logprobs is None:
                 yield chunk([choice(c, prompt_text(job, c), [], []) for c in job.choices])
-            echo_due = {c.index for c in job.choices} if req.echo and job.logprobs is not None else set()
+            echo_due = {c.index for c in job.choices} if job.kind == "completions" and req.echo \
+                and job.logprobs is not None else set()
             by_id, left = job.by_id(), len(job.choices)
             while left:
                 c, out = await next_output(job, by_id)
