@@ -427,8 +427,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         for c in job.choices:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
-                loop.abort(c.request_id)
-                metrics.aborted.labels(reason).inc()
+                if loop.abort(c.request_id):
+                    metrics.aborted.labels(reason).inc()
 
     async def next_output(job: _Job, by_id: dict) -> tuple[_Choice, RequestOutput]:
         item = await job.queue.get()

@@ -132,12 +132,16 @@ class EngineLoop:
                             share_prompt_with))
         return stream.queue
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
         """Abort a request (no-op if it already finished); the engine frees its KV blocks before
-        its next step. Its queue receives nothing more."""
+        its next step. Its queue receives nothing more. Returns whether it was aborted: False
+        when its final output had already come back (then `on_finish` saw it), so that a request
+        is counted once, as finished or as aborted, whichever came first on the event loop."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self._commands.put(("abort", request_id))
+            return True
+        return False
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -204,7 +208,8 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
-                if self.on_finish is not None:
+                # an aborted request (stream gone) was counted by abort(): not again as finished
+                if self.on_finish is not None and stream is not None:
                     self.on_finish(out)
             if stream is not None:
                 stream.finished = out.finished
