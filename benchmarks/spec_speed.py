@@ -70,7 +70,7 @@ def run_dataset(eng, configs, prompts, temperature, max_tokens, seed=0):
                       # whole engine step (draft + verify + sampling + bookkeeping), mean over the run;
                       # plain decoding counts one step per token
                       "mean_step_s": a["elapsed"] / (a["steps"] or a["tokens"]),
-                      "k_hist": {str(x): ctl.history.count(x) for x in set(ctl.history)}}
+                      "k_hist": {str(x): ctl.history[x] for x in sorted(ctl.history)}}
         outs[name] = a["outs"]
         print(name, {k: v for k, v in rows[name].items() if k != "k_hist"}, rows[name]["k_hist"], flush=True)
     return rows, outs

@@ -255,7 +255,10 @@ def cmd_serve(a) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(create_app(eng, cfg), host=a.host, port=a.port, timeout_graceful_shutdown=5,
                             access_log=a.access_log, log_level="info")
-    GracefulServer(config, grace_s=a.shutdown_grace).run()
+    try:
+        GracefulServer(config, grace_s=a.shutdown_grace).run()
+    except KeyboardInterrupt:  # SIGINT (Ctrl-C), re-raised by uvicorn once the shutdown is done
+        pass
     return 0
 
 

@@ -80,8 +80,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                      spec_alpha=acc / ev if ev else float("nan"),
                      spec_mean_accepted_per_step=acc / steps if steps else float("nan"),
                      spec_c=None if c is None else round(c, 3),
-                     spec_k_histogram={str(k): engine.controller.history.count(k)
-                                       for k in sorted(set(engine.controller.history))})
+                     spec_k_histogram={str(k): engine.controller.history[k]
+                                       for k in sorted(engine.controller.history)})
     report = build_report(metrics, duration, extra)
     # per request, in request order: what the percentiles summarize (a planner's per-request
     # prediction is compared against these, and a median that falls between clusters shows here)

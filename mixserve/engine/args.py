@@ -101,7 +101,7 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_scored_prompt_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")

@@ -14,7 +14,8 @@ from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
-from mixserve.layers.kernel_choice import KernelChooser, amx_permitted, cap_threads, parse_overrides
+from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_threads,
+                                           parse_overrides)
 from mixserve.kv.contiguous import ContiguousBlockManager
 from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class LLMEngine:
         self.args = args
         self.dtype = parse_dtype(args.dtype)
         cap_threads()
+        bound_primitive_caches()  # before any oneDNN call, as amx_permitted below
         self.amx = amx_permitted()  # before any oneDNN call: caps its ISA where AMX is refused
         self.kernels = KernelChooser(overrides=None if args.kernels == "auto" else parse_overrides(args.kernels))
         t0 = time.perf_counter()

@@ -8,6 +8,8 @@ are measured online, per row count, rather than assumed. k = 0 is plain decoding
 """
 from __future__ import annotations
 
+import collections
+
 import math
 
 
@@ -95,7 +97,7 @@ class SpecController:
         self.k_max = k_max
         self.target = StepCostTable()
         self.draft = StepCostTable()
-        self.history: list[int] = []
+        self.history: collections.Counter = collections.Counter()  # k -> steps: bounded, unlike a list
         # engine-wide acceptance (decayed counts): the prior for requests with little history,
         # so that a new request is not stuck at k = 0 by a pessimistic fixed prior
         self._acc = 0.0
@@ -152,7 +154,7 @@ class SpecController:
             k = self.k_max
         else:
             k = self._best(alphas, prefill_tokens)
-        self.history.append(k)
+        self.history[k] += 1
         return k
 
     # every this many auto steps the best k's neighbour is tried once, so that costs measured

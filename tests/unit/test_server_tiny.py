@@ -90,7 +90,7 @@ def test_parse_request_null_means_default():
 import json  # noqa: E402
 import threading  # noqa: E402
 
-from mixserve.server.engine_loop import EngineLoop, ServerOverloaded  # noqa: E402
+from mixserve.server.engine_loop import EngineLoop, ServerOverloaded, _Stream  # noqa: E402
 from mixserve.server.metrics import ServerMetrics  # noqa: E402
 
 
@@ -434,3 +434,30 @@ def test_prompt_scoring_over_http_limit_stream_and_max_tokens_zero(tiny_folder):
         assert srv.wait_idle(30) and eng.block_manager.num_free_blocks == eng.num_blocks
     finally:
         srv.stop()
+
+
+def test_a_request_counts_once_finished_or_aborted():
+    """The race of a client abort with the engine finishing the same request: whichever reaches
+    the event loop first counts it (on_finish, or abort() returning True), never both."""
+    import asyncio
+
+    from mixserve.engine.llm_engine import RequestOutput
+
+    def out(rid):
+        return RequestOutput(rid, None, [1], "", "", [2], True, "length")
+
+    async def run():
+        finished = []
+        loop = EngineLoop(engine=None, on_finish=finished.append)
+        q = asyncio.Queue()
+        # finished first: the output is counted, the late abort is not
+        loop._streams["a"] = _Stream(q)
+        loop._dispatch([out("a")], [])
+        assert [o.request_id for o in finished] == ["a"] and loop.abort("a") is False
+        # aborted first: the abort counts, the finished output arriving after it does not
+        loop._streams["b"] = _Stream(q)
+        assert loop.abort("b") is True
+        loop._dispatch([out("b")], [])
+        assert [o.request_id for o in finished] == ["a"]
+        assert loop._commands.get_nowait() == ("abort", "b")
+    asyncio.run(run())
