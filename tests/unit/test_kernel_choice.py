@@ -286,3 +286,15 @@ def test_int4_vnni_kernel_against_float_math():
     assert not int4_vnni.supported(96, 32) and int4_vnni.supported(256, 128)
     with pytest.raises(ValueError, match="unknown kernel"):
         lin.set_kernel("fast")
+
+
+def test_primitive_caches_bounded_unless_the_user_set_them(monkeypatch):
+    from mixserve.layers.kernel_choice import PRIMITIVE_CACHE_CAPACITY, bound_primitive_caches
+
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "300")
+    bound_primitive_caches()
+    import os
+
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(PRIMITIVE_CACHE_CAPACITY)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "300"  # the user's value stands
