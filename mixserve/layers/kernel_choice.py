@@ -91,7 +91,7 @@ def bound_primitive_caches(capacity: int = PRIMITIVE_CACHE_CAPACITY) -> None:
     shape, and a prefill's token count changes the shape every step: with the defaults a server
     grew by ~30 MiB a minute for as long as new token counts kept coming (benchmarks/soak.py), and
     600 random row counts over the 0.5B's linear shapes held 2.0 GB (benchmarks/primitive_cache.py),
-    capped at 16 about 0.2 GB; at 64 an engine still grew by ~190 MB over two minutes. A step uses
+    capped at 16 about 0.2 GB (at 64 an engine still grew for minutes). A step uses
     about five shapes (the same for every layer), so 16 keeps the last three steps' primitives."""
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
