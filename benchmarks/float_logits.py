@@ -75,12 +75,12 @@ def run(model: str, quant: str | None, batches: list[int], block: int, rounds: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--block", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default="results/float_logits.json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model (default %(default)s)")
+    ap.add_argument("--batches", default="1,64", help="decode batch sizes, comma-separated (default %(default)s)")
+    ap.add_argument("--block", type=int, default=5, help="steps per head before switching (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of both heads; the first is warm-up (default %(default)s)")
+    ap.add_argument("--out", default="results/float_logits.json", help="JSON results (default %(default)s)")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     res = {"cpu": cpu_name(), "cores": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -24,7 +24,8 @@ after --warmup seconds.
 
     python benchmarks/soak.py --model qwen2.5-coder-0.5b-instruct --duration 660 --rate 2.0
 
-Writes results/soak.json (counts, metrics, RSS series, per-class latencies).
+Writes --out (results/soak.json: counts, metrics, RSS series, per-class latencies) and the server's
+log beside it (results/soak.server.log).
 """
 from __future__ import annotations
 
@@ -196,7 +197,12 @@ async def one(client: httpx.AsyncClient, req: dict, stats: dict) -> None:
         cls = "refused"
     elif status == 200 and payload is not None:
         if body["stream"]:
-            ok = payload and payload[-1] == "[DONE]" and all("error" not in json.loads(e) for e in payload[:-1])
+            events = [json.loads(e) for e in payload[:-1]] if payload and payload[-1] == "[DONE]" else None
+            ends = [c.get("finish_reason") for e in events or [] for c in e.get("choices", [])
+                    if c.get("finish_reason")]
+            # whole: [DONE] last, no error event, every choice ended by stop or length
+            ok = events is not None and all("error" not in e for e in events) and len(ends) == body["n"] \
+                and all(r in ("stop", "length") for r in ends)
         else:
             try:
                 ok = well_formed(path, body, json.loads(payload))
@@ -258,19 +264,25 @@ async def drive(url: str, pool: list[str], duration: float, rate: float, seed: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--duration", type=float, default=660.0, help="seconds of arrivals")
-    ap.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
-    ap.add_argument("--kv-cache-memory", default="24MiB", help="small enough to preempt under this load")
-    ap.add_argument("--max-num-seqs", type=int, default=48)
-    ap.add_argument("--max-waiting", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=float, default=120.0, help="seconds before the RSS baseline")
-    ap.add_argument("--rss-every", type=float, default=10.0)
-    ap.add_argument("--drain", type=float, default=300.0, help="seconds to wait for answers after arrivals stop")
-    ap.add_argument("--out", default="results/soak.json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model (default %(default)s)")
+    ap.add_argument("--duration", type=float, default=660.0, help="seconds of arrivals (default %(default)s)")
+    ap.add_argument("--rate", type=float, default=1.7, help="requests per second, Poisson (default %(default)s)")
+    ap.add_argument("--kv-cache-memory", default="12MiB",
+                    help="server KV cache, small enough to preempt under this load (default %(default)s)")
+    ap.add_argument("--max-num-seqs", type=int, default=48, help="server --max-num-seqs (default %(default)s)")
+    ap.add_argument("--max-waiting", type=int, default=48, help="server --max-waiting (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts and behaviours")
+    ap.add_argument("--warmup", type=float, default=120.0,
+                    help="seconds before the RSS baseline; under --duration (default %(default)s)")
+    ap.add_argument("--rss-every", type=float, default=10.0, help="RSS sampling period, s (default %(default)s)")
+    ap.add_argument("--drain", type=float, default=300.0,
+                    help="seconds to wait for answers after arrivals stop (default %(default)s)")
+    ap.add_argument("--out", default="results/soak.json", help="JSON results (default %(default)s)")
     a = ap.parse_args()
+    if a.warmup >= a.duration:
+        a.warmup = a.duration / 2
+        print(f"--warmup is not under --duration: the RSS baseline is taken at {a.warmup:.0f} s instead")
     port = free_port()
     cmd = [sys.executable, "-m", "mixserve.cli", "serve", "--model", a.model, "--port", str(port),
            "--served-model-name", NAME, "--draft-model", "ngram", "--kv-cache-memory", a.kv_cache_memory,
@@ -340,8 +352,9 @@ def main() -> None:
                       "preemptions": m.get("mixserve_num_preemptions_total"),
                       "blocks_used": m.get("mixserve_kv_cache_blocks_used"),
                       "blocks_total": m.get("mixserve_kv_cache_blocks_total"),
-                      "by_reason": {k: v for k, v in m.items() if k.startswith(("mixserve_request_success_total",
-                                                                                 "mixserve_request_aborted_total"))}},
+                      "by_reason": {k: v - m0.get(k, 0.0) for k, v in m.items()
+                                    if k.startswith(("mixserve_request_success_total",
+                                                     "mixserve_request_aborted_total"))}},
            "rss_mib": {"post_warmup_start": rss0 / 2**20, "end": rss1 / 2**20,
                        "max": max(r for _, r in stats["rss"]) / 2**20, "series": stats["rss"]},
            "latency": lat, "checks": checks, "errors": stats["errors"][:20]}

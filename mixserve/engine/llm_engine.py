@@ -196,7 +196,8 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
             raise ValueError(f"prompt: token ids must be in [0, {self.cfg.vocab_size})")
         total = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len:
+        # a prompt that fills the context can still be scored (max_tokens 0), not continued
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and params.max_tokens > 0):
             raise ValueError(f"prompt: {len(ids)} tokens, the context is {self.max_model_len} tokens")
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
@@ -205,7 +206,7 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} tokens; prompt scoring (prompt logprobs, echo with logprobs) "
                              f"takes at most {self.args.max_scored_prompt_tokens} prompt tokens "
                              f"(--max-scored-prompt-tokens)")
-        if self.block_manager.blocks_for(len(ids) + 1) > self.num_blocks:
+        if self.block_manager.blocks_for(len(ids) + (params.max_tokens > 0)) > self.num_blocks:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room for an output token in the KV cache "
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
         if self.block_manager.blocks_for(total) > self.num_blocks:

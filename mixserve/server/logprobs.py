@@ -126,7 +126,8 @@ def prompt_logprobs(prompt_ids: list[int], lps: list | None, text: TokenText | N
     rest = completion_logprobs(lps, text, OffsetCounter()) or {"tokens": [], "token_logprobs": [],
                                                                 "top_logprobs": [], "text_offset": []}
     tokens = [text.string(i) if text else "" for i in prompt_ids]
-    text_offset = [offsets.advance(text.bytes(i) if text and text.in_text(i) else b"") for i in prompt_ids]
+    # the echoed prompt holds its special tokens as written (`<|im_start|>`), unlike generated text
+    text_offset = [offsets.advance(text.bytes(i) if text else b"") for i in prompt_ids]
     return {"tokens": tokens, "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": text_offset}
 

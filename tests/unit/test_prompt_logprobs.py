@@ -93,6 +93,13 @@ def test_prompt_logprobs_limits(tiny):
     assert llm.generate([[5]], SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs == []
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+    # a prompt that fills the context is scored (max_tokens 0) but not continued
+    full = LLM(folder, dtype="float32", kv_cache_memory="4MiB", max_model_len=24, progress=False)
+    ids = prompts(1, seed=2, lo=24, hi=24)[0]
+    assert len(full.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0].prompt_logprobs) == 23
+    with pytest.raises(ValueError, match="context"):
+        full.generate([ids], SamplingParams(max_tokens=1))
+    assert full.engine.block_manager.num_free_blocks == full.engine.num_blocks
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
     assert VOCAB > 0

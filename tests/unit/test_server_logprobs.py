@@ -74,3 +74,22 @@ def test_smollm2_byte_level_tokens():
     raw = [bytes(e["bytes"]) for e in chat_logprobs(lps, tt)["content"]]
     assert b"".join(raw) == text.encode()
     check_offsets(text, raw, completion_logprobs(lps, tt, OffsetCounter())["text_offset"])
+
+
+def test_echoed_prompt_offsets_count_special_tokens():
+    """An echoed prompt holds its special tokens as written, so their characters count in the
+    prompt's text_offset (generated text skips them: there they count zero)."""
+    from tokenizers import AddedToken
+
+    from mixserve.server.logprobs import prompt_logprobs
+
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken("<|s|>", special=True)]})
+    text = "<|s|>ab<|s|>c"
+    ids = tok.encode(text, add_special_tokens=False)
+    tt = TokenText(tok)
+    lp = prompt_logprobs(ids, [TokenLogprobs(i, -1.0, 1, []) for i in ids[1:]], tt)
+    assert "".join(lp["tokens"]) == text and lp["token_logprobs"][0] is None
+    assert lp["text_offset"] == [text.index(t, o) for t, o in zip(lp["tokens"], [0, 5, 6, 7, 12])]
+    gen = completion_logprobs([TokenLogprobs(i, -1.0, 1, []) for i in ids], tt, OffsetCounter())
+    assert gen["text_offset"][:2] == [0, 0]  # generated: the special token adds no character
