@@ -150,7 +150,7 @@ def dummy_decode_steps(runner, rows: int, context: int, steps: int, run) -> list
     for s in range(steps):
         # BatchItem's fields (model_runner imports this module)
         items = [types.SimpleNamespace(seq_id=i, token_ids=[1] * (context + steps + 1), start=context + s,
-                                       end=context + s + 1, num_logits=1) for i in range(rows)]
+                                       end=context + s + 1, num_logits=1, score=None) for i in range(rows)]
         t0 = time.perf_counter()
         run(items, lambda i: tables[i])
         out.append(time.perf_counter() - t0)

@@ -134,7 +134,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenize")
     metrics: ServerMetrics | None = None
     loop = EngineLoop(engine, cfg.max_waiting, on_finish=lambda out: metrics.observe(out),
-                      on_step=lambda seconds, tokens: metrics.observe_step(seconds, tokens))
+                      on_step=lambda seconds, tokens: metrics.observe_step(seconds, tokens),
+                      on_fail=lambda rid: metrics.errored.labels("engine_step").inc())
     metrics = ServerMetrics(engine, lambda: loop.num_waiting)
     jobs: dict[str, _Job] = {}  # submitted and not yet answered, by id
     jobs_done = asyncio.Event()  # set while `jobs` is empty
@@ -397,6 +398,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         job.queue = asyncio.Queue()
         added = []
         try:
+            # all samples or none: a 503 after some were added would leave them aborted unseen
+            # (preemption can still refill the queue in between: then the added ones are undone)
+            loop.check_admission(len(job.choices))
             first: dict[int, str] = {}  # prompt index -> its first sample's request id
             for c, sp in zip(job.choices, job.params):
                 loop.add(c.request_id, c.prompt_ids, sp, arrival, job.queue,
@@ -439,9 +443,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             raise APIError(503, "server shutting down: the request was aborted", type="server_error",
                            code="server_shutting_down")
         if isinstance(item, EngineFailure):
-            by_id[item.request_id].finish_reason = "error"
+            by_id[item.request_id].finish_reason = "error"  # counted by the loop's on_fail
             job.end_reason = "error"
-            metrics.errored.labels("engine_step").inc()
             raise APIError(500, str(item), type="server_error")
         return by_id[item.request_id], item
 

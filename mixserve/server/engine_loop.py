@@ -57,14 +57,19 @@ class EngineLoop:
         max_waiting: most requests waiting for admission (queued commands + the scheduler's
             waiting queue); `add` raises ServerOverloaded beyond it. None: no limit.
         on_finish: called on the event loop with each final RequestOutput (metrics).
+        on_fail: called on the event loop with the id of each request a failing engine step
+            ended (not at shutdown); a request is seen by exactly one of on_finish, on_fail and a
+            True from abort().
         on_step: called on the engine thread after each step that ran, with its wall time
             (seconds, time.perf_counter) and the tokens the model ran in it (metrics).
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_finish=None, on_step=None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, on_finish=None, on_step=None,
+                 on_fail=None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finish = on_finish
+        self.on_fail = on_fail
         self.on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -103,9 +108,10 @@ class EngineLoop:
         prefill); racy but atomic reads, at most one step stale."""
         return self._adds_sent - self._adds_applied + self.engine.num_waiting
 
-    def check_admission(self) -> None:
-        """Raise ServerOverloaded when `max_waiting` requests already wait (see num_waiting)."""
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+    def check_admission(self, n: int = 1) -> None:
+        """Raise ServerOverloaded when `n` more requests would pass `max_waiting` waiting ones
+        (see num_waiting)."""
+        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
             raise ServerOverloaded(f"{self.num_waiting} requests are waiting (limit {self.max_waiting})")
 
     # -- requests (event loop side) --------------------------------------------------------------
@@ -219,3 +225,5 @@ class EngineLoop:
             if stream is not None:
                 stream.finished = True
                 stream.queue.put_nowait(EngineFailure(rid, why, shutdown))
+                if self.on_fail is not None and not shutdown:  # each failed request once, here
+                    self.on_fail(rid)

@@ -103,7 +103,7 @@ class DraftModelProposer:
                     # so no q is needed
                     t = int(race(probs[r], exponential_noise(meta.generators[r], probs.shape[1])))
                 else:
-                    t = int(torch.multinomial(probs[r], 1, generator=s.generator))
+                    t = int(torch.multinomial(probs[r], 1))  # unseeded: the global generator
                     qs[i].append(probs[r])
                 drafts[i].append(t)
                 self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1

@@ -341,3 +341,24 @@ def test_many_engines_in_one_process_each_get_a_compiled_graph(tiny, reference):
     code = g.fn._torchdynamo_orig_callable.__code__
     assert len(_debug_get_cache_entry_list(code)) == 1  # its own compiled entry, in its own code
     check_all(llm.generate([reference[0][0]], GREEDY), reference)
+
+
+def test_dummy_decode_steps_run_through_the_eager_runner(tiny):
+    """The decode-graph choice times eager steps on dummy items: they must be what prepare reads
+    (a missing field made every cold-cache start fall back to eager as 'compile failed')."""
+    from mixserve.engine.decode_graph import dummy_decode_steps
+
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="1MiB", kernels="eager", progress=False)
+    runner = llm.engine.runner
+    times = dummy_decode_steps(runner, 3, 5, 2, runner.run_eager)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_draft_model_samples_unseeded_requests(tiny):
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="1MiB", draft_model=folder, speculation="fixed",
+              num_speculative_tokens=3, kernels="eager", progress=False)
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.metrics["spec_proposed"] > 0

@@ -461,3 +461,31 @@ def test_a_request_counts_once_finished_or_aborted():
         assert [o.request_id for o in finished] == ["a"]
         assert loop._commands.get_nowait() == ("abort", "b")
     asyncio.run(run())
+
+
+def test_failed_requests_count_once_each_and_admission_is_all_or_nothing():
+    """Each request an engine step fails is counted once as errored (n > 1: every sample); a job
+    whose samples would pass max_waiting is refused before any is added."""
+    import asyncio
+
+    from mixserve.server.engine_loop import EngineFailure
+
+    async def run():
+        failed = []
+        loop = EngineLoop(engine=None, on_fail=failed.append)
+        q = asyncio.Queue()
+        for rid in ("a", "b", "c"):
+            loop._streams[rid] = _Stream(q)
+        assert loop.abort("c") is True  # aborted before the failure: counted as aborted only
+        loop._dispatch([], [("a", "boom"), ("b", "boom"), ("c", "boom")])
+        assert failed == ["a", "b"] and isinstance(q.get_nowait(), EngineFailure)
+        loop._dispatch([], [("d", "bye")], shutdown=True)
+        assert failed == ["a", "b"]
+
+        class Eng:
+            num_waiting = 1
+        full = EngineLoop(engine=Eng(), max_waiting=2)
+        full.check_admission(1)
+        with pytest.raises(ServerOverloaded):
+            full.check_admission(2)
+    asyncio.run(run())
