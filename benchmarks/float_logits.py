@@ -8,7 +8,8 @@ steps (--rounds rounds), so the host's drift falls on both; the first block of e
 warm-up (its graph variant compiles there) and is not counted. Reported: median step time of
 each head, the difference (the cost per step) and the ratio. "bf16 head" is the old path: the
 same head module with float_out off, its bf16 result cast to float32 (`.float()`), on the kernel
-the head's own choice picked (for int4 the vnni layout's few-row kernel and its dense switch).
+the head's own choice picked (for int4 the vnni layout's int8 kernel at every row count: the
+head's dense switch is no longer chosen; it was 128 rows here, above both batch sizes).
 
     python benchmarks/float_logits.py --model qwen2.5-coder-0.5b-instruct
 """

@@ -17,7 +17,7 @@ _MKLDNN = torch.backends.mkldnn.is_available()
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and _MKLDNN
             and weight.dtype in (torch.float32, torch.bfloat16))
 
 
@@ -106,6 +106,7 @@ class DenseLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def dense_weight_dtype(self) -> torch.dtype:
+        """The weight's dtype, whichever form (plain or prepacked) holds it."""
         return self.weight.dtype if self.weight is not None else self.packed.dtype
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,10 +280,13 @@ class Int4Linear(nn.Module):
                                 self.group_size, out)
         if w is not None:
             return w
+        return self._dequantize_torch_layout(self.dtype)
+
+    def _dequantize_torch_layout(self, dtype: torch.dtype) -> torch.Tensor:
+        """PyTorch's int4 layout dequantized in plain PyTorch, computed in `dtype`: [out, in]."""
         q = _unpack_int4pack_cpu(self.packed, self.out_features, self.in_features)
-        ng = self.in_features // self.group_size
-        q = q.view(self.out_features, ng, self.group_size).to(self.dtype)
-        w = torch.addcmul(self.zero_rows.unsqueeze(-1), q - 8, self.scale_rows.unsqueeze(-1))
+        q = q.view(self.out_features, -1, self.group_size).to(dtype)
+        w = torch.addcmul(self.zero_rows.to(dtype).unsqueeze(-1), q - 8, self.scale_rows.to(dtype).unsqueeze(-1))
         return w.view(self.out_features, self.in_features)
 
     def float_weight(self) -> torch.Tensor:
@@ -292,10 +296,7 @@ class Int4Linear(nn.Module):
         n = self.out_features * self.in_features
         if self.kernel == "vnni":
             return int4_vnni.dequantize(self.vq, self.vs, self.vm, self.group_size, torch.empty(n))
-        q = _unpack_int4pack_cpu(self.packed, self.out_features, self.in_features)
-        q = q.view(self.out_features, -1, self.group_size).float()
-        w = torch.addcmul(self.zero_rows.float().unsqueeze(-1), q - 8, self.scale_rows.float().unsqueeze(-1))
-        return w.view(self.out_features, self.in_features)
+        return self._dequantize_torch_layout(torch.float32)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> float32 [..., out], x @ float_weight()^T + b to ~1e-3. vnni layout:
@@ -513,11 +514,14 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
             lin.set_kernel("vnni")
         else:
             lin.set_kernel(chooser.choose(f"int4_kernel/{dt}/{shape}", int4_kernel_candidates(n, k, g, dtype), "torch"))
+        if lin.float_out:  # forward_float has its own switch; dense_rows is never read
+            if lin.kernel == "vnni":
+                pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/l3", float_int4_head_candidates(lin),
+                                      "never")
+                lin.float_dense_rows = None if pick == "never" else int(pick)
+            return
         # where the many-row switch pays depends on the few-row kernel it switches from
         layout = "" if lin.kernel == "torch" else f"/{lin.kernel}"
         key = f"int4_dense_rows/{dt}/{shape}{layout}/deq{DEQUANT_REV}"
         pick = chooser.choose(key, int4_candidates(n, k, g, dtype, lin.kernel), "never")
         lin.dense_rows = None if pick == "never" else int(pick)
-        if lin.float_out and lin.kernel == "vnni":
-            pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/l3", float_int4_head_candidates(lin), "never")
-            lin.float_dense_rows = None if pick == "never" else int(pick)

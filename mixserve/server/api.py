@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mixserve.engine.llm_engine import LLMEngine, RequestOutput
 from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
-from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs, join_logprobs,
-                                      prompt_logprobs)
+from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs,
+                                      empty_completion_logprobs, join_logprobs, prompt_logprobs)
 from mixserve.server.metrics import ServerMetrics
 from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, field_error,
                                       parse_request, sampling_params)
@@ -498,7 +498,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 echoed = prompt_text(job, c) if job.req.echo else ""
                 lp = completion_logprobs(c.logprobs, token_text, OffsetCounter(len(echoed)))
                 if lp is None and job.logprobs is not None:  # asked for, and no token in the text
-                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    lp = empty_completion_logprobs()
                 if job.req.echo and job.logprobs is not None:
                     lp = join_logprobs(prompt_logprobs(c.prompt_ids, c.prompt_logprobs, token_text), lp)
                 text = echoed + text

@@ -105,13 +105,21 @@ def completion_logprobs(lps: list, text: TokenText | None, offsets: OffsetCounte
     `offsets` carries the text offset across chunks. None when logprobs were not asked for."""
     if not lps or lps[0] is None:
         return None
-    tokens, text_offset, tops = [], [], []
+    tokens, text_offset = [], []
     for lp in lps:
         tokens.append(text.string(lp.token_id) if text else "")
         text_offset.append(offsets.advance(text.bytes(lp.token_id) if text and text.in_text(lp.token_id) else b""))
-        tops.append({(text.string(i) if text else ""): v for i, v in lp.top})
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": tops,
-            "text_offset": text_offset}
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [_top(lp, text) for lp in lps], "text_offset": text_offset}
+
+
+def _top(lp, text: TokenText | None) -> dict:
+    return {(text.string(i) if text else ""): v for i, v in lp.top}
+
+
+def empty_completion_logprobs() -> dict:
+    """A completion `logprobs` object with no entries (asked for, and no token in the text)."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def prompt_logprobs(prompt_ids: list[int], lps: list | None, text: TokenText | None) -> dict:
@@ -121,15 +129,13 @@ def prompt_logprobs(prompt_ids: list[int], lps: list | None, text: TokenText | N
     first), `null` for the first token, as OpenAI's legacy completions do; offsets from 0.
     Without `lps` (the request ended before its prefill) the lists are empty."""
     if lps is None or len(lps) != len(prompt_ids) - 1:
-        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return empty_completion_logprobs()
     offsets = OffsetCounter()
-    rest = completion_logprobs(lps, text, OffsetCounter()) or {"tokens": [], "token_logprobs": [],
-                                                                "top_logprobs": [], "text_offset": []}
-    tokens = [text.string(i) if text else "" for i in prompt_ids]
     # the echoed prompt holds its special tokens as written (`<|im_start|>`), unlike generated text
-    text_offset = [offsets.advance(text.bytes(i) if text else b"") for i in prompt_ids]
-    return {"tokens": tokens, "token_logprobs": [None] + rest["token_logprobs"],
-            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": text_offset}
+    return {"tokens": [text.string(i) if text else "" for i in prompt_ids],
+            "token_logprobs": [None] + [lp.logprob for lp in lps],
+            "top_logprobs": [None] + [_top(lp, text) for lp in lps],
+            "text_offset": [offsets.advance(text.bytes(i) if text else b"") for i in prompt_ids]}
 
 
 def join_logprobs(first: dict, second: dict | None) -> dict:
