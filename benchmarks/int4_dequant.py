@@ -10,8 +10,6 @@ a check that each output equals the reference exactly.
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
@@ -19,16 +17,11 @@ from mixserve.env import machine_info
 from mixserve.layers import int4_vnni
 from mixserve.layers.int4_dequant import dequantize_int4pack
 from mixserve.layers.linear import Int4Linear
+from mixserve.plan.hardware import _time
 
 
 def median_ms(fn, n: int = 20) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return _time(fn, n) * 1e3  # the probe's own timer: median of n calls after one warm-up
 
 
 def main():
