@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rtn: round linears to int4 at load; awq: require an AWQ checkpoint (from `quantize`). "
                         "AWQ checkpoints are detected without this flag")
     p.add_argument("--quant-group-size", type=int, default=d.quant_group_size, help="group size for rtn")
+    p.add_argument("--gguf-weights", default=None, choices=["native", "dequantize"],
+                   help="GGUF models: native runs the file's quantized tensors as stored (its own bytes per token); "
+                        "dequantize runs a float32 copy cast to --dtype, the reference for quality and equality "
+                        "checks (default: native where this CPU has the kernel, dequantize with --quantization)")
     p.add_argument("--kv-allocator", default=d.kv_allocator, choices=["paged", "contiguous"],
                    help="paged: KV blocks on demand (PagedAttention); contiguous: the older baseline, one "
                         "region per sequence reserved at admission (default %(default)s)")
@@ -164,7 +168,7 @@ def cmd_bench_compare_allocators(a) -> int:
     args = engine_args(a)
     args.validate()
     loaded = load_model(args.model, parse_dtype(args.dtype), args.max_model_len, args.progress, args.quantization,
-                        args.quant_group_size, args.int4_lm_head)
+                        args.quant_group_size, args.int4_lm_head, args.gguf_weights)
     reqs = load_dataset(a.dataset, loaded[2], a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
     result = compare_allocators(args, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos, loaded=loaded)
@@ -285,14 +289,17 @@ def cmd_eval_ppl(a) -> int:
             base = json.loads(Path(a.baseline).read_text())["slices"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"baseline: {a.baseline} is not an eval-ppl report ({e})") from None
-    eng = LLMEngine(engine_args(a, max_num_seqs=1))
+    # the dequantized weights are the quality reference: native GGUF weights only when asked for
+    gguf_weights = a.gguf_weights or "dequantize"
+    eng = LLMEngine(engine_args(a, max_num_seqs=1, gguf_weights=gguf_weights))
     if a.seq_len > eng.max_model_len:
         raise ValueError(f"seq_len: {a.seq_len} exceeds max_model_len {eng.max_model_len}")
     if eng.tokenizer is None:
         raise ValueError(f"model {a.model!r} has no tokenizer: eval-ppl needs one")
     print(eng.describe(), file=sys.stderr)
     res = evaluate(eng, slices, a.tokens_per_slice, a.seq_len)
-    report = {"model": a.model, "quantization": a.quantization, "dtype": str(eng.dtype), "machine": machine_info(),
+    report = {"model": a.model, "quantization": a.quantization, "gguf_weights": gguf_weights,
+              "weights": getattr(eng.model, "weight_format", None), "dtype": str(eng.dtype), "machine": machine_info(),
               "tokens_per_slice": a.tokens_per_slice, "seq_len": a.seq_len, "slices": res}
     print(f"{'slice':<16}{'tokens':>8}{'ppl':>10}  95% CI")
     for name, r in res.items():
@@ -349,7 +356,7 @@ def cmd_hw_probe(a) -> int:
 def cmd_plan(a) -> int:
     from mixserve.engine.args import parse_bytes
     from mixserve.models.config import ModelConfig
-    from mixserve.models.weights import convert_gguf
+    from mixserve.models.weights import gguf_meta_dir
     from mixserve.models.registry import resolve_model
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.measure import load_quality
@@ -375,7 +382,7 @@ def cmd_plan(a) -> int:
                       kv_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, slo=slo,
                       seed=a.seed, bisect_iters=a.bisect_iters)
     r = resolve_model(a.model)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     sm, hw = load_step_model(a.hardware, cfg, block_size=a.block_size)
     if a.num_prompts is None and a.trace == "sharegpt":

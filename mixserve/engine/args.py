@@ -62,6 +62,10 @@ class EngineArgs:
     quant_lm_head: round the LM head to int4 at load (rtn, group quant_group_size) in an int4
         model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
         None (the default): on for int4 models; False keeps the head in the compute dtype.
+    gguf_weights: for a GGUF model, "native" (its quantized tensors as stored, run by the
+        int8-activation kernel, layers/gguf_kernels.py) or "dequantize" (a float32 copy dequantized
+        once, cast to dtype: the reference); None (the default): native where the kernel exists
+        and no quantization is asked for. The draft model follows the same setting.
     kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before
         it: one region per sequence reserved at admission, see kv/contiguous.py).
     reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
@@ -89,6 +93,7 @@ class EngineArgs:
     quantization: str | None = None
     quant_group_size: int = 128
     quant_lm_head: bool | None = None
+    gguf_weights: str | None = None
     kv_allocator: str = "paged"
     reserve: str = "max-model-len"
     kernels: str = "auto"
@@ -117,6 +122,11 @@ class EngineArgs:
             raise ValueError(f"quant_group_size: must be a multiple of 32 (got {self.quant_group_size!r})")
         if self.quant_lm_head is True and self.quantization is None and not is_awq_folder(self.model):
             raise ValueError("quant_lm_head: needs an int4 model (--quantization rtn|awq or an AWQ checkpoint)")
+        if self.gguf_weights not in (None, "native", "dequantize"):
+            raise ValueError(f"gguf_weights: must be native or dequantize (got {self.gguf_weights!r})")
+        if self.gguf_weights == "native" and self.quantization:
+            raise ValueError(f"gguf_weights: native cannot be combined with quantization {self.quantization} "
+                             "(RTN and AWQ start from the dequantized weights); use dequantize")
         if self.kv_allocator not in ("paged", "contiguous"):
             raise ValueError(f"kv_allocator: must be paged or contiguous (got {self.kv_allocator!r})")
         if self.reserve not in RESERVE_MODES:

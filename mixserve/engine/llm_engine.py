@@ -77,7 +77,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
             args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,
-            args.int4_lm_head)
+            args.int4_lm_head, args.gguf_weights)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -88,7 +88,8 @@ class LLMEngine:
         self.draft_cfg = None
         draft = None
         if args.draft_model and args.draft_model != "ngram":
-            draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress)
+            draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress,
+                               gguf_weights=args.gguf_weights)
             check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
             self.draft_cfg = draft[0]
         t1 = time.perf_counter()
@@ -175,6 +176,8 @@ class LLMEngine:
         if self.runner.graph is not None and self.runner.graph.compile_s:
             text += " (first calls " + ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.graph.compile_s.items()) + ")"
         q = getattr(self.model, "quant", None)
+        if q is None and getattr(self.model, "weight_format", None):
+            text += "; " + self.model.weight_format
         if q is not None:
             text += f"; weights int4 ({q.method}, group {q.group_size})"
             if q.dense:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers import bf16_gemv, graph_ops, int4_vnni
+from mixserve.layers import bf16_gemv, gguf_linear, graph_ops, int4_vnni
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
 
@@ -491,11 +491,13 @@ def float_int4_head_candidates(lin: "Int4Linear") -> dict:
 
 
 def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
-    """Set `lin` (DenseLinear or Int4Linear) to the kernel `chooser` (kernel_choice.KernelChooser)
+    """Set `lin` (DenseLinear, Int4Linear or GGUFLinear) to the kernel `chooser` (kernel_choice.KernelChooser)
     picks for its shape and `dtype`; the one place that names these choices' keys, so the engine
     and `hw probe` time and run the same kernels. Other modules are left alone."""
     dt = str(dtype).removeprefix("torch.")
-    if isinstance(lin, DenseLinear) and lin.float_out and dtype == torch.bfloat16:
+    if isinstance(lin, gguf_linear.GGUFLinear):
+        gguf_linear.choose(lin, chooser)
+    elif isinstance(lin, DenseLinear) and lin.float_out and dtype == torch.bfloat16:
         n, k = lin.out_features, lin.in_features
         tied = "/tied" if lin.keep_plain else ""
         pick = chooser.choose(f"float_head/{dt}/{n}x{k}{tied}", float_dense_head_candidates(n, k, lin.keep_plain),

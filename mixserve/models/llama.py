@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixserve.layers.attention import AttentionMetadata, choose_decode_kernel, paged_attention
+from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
 from mixserve.layers.kernel_choice import KernelChooser
 from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 from mixserve.layers.paged_decode import paged_decode_attention
@@ -68,7 +69,8 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: model shape.
-        weights: HF-named tensors ([out, in] linears), any float dtype; cast to `dtype`.
+        weights: HF-named tensors ([out, in] linears), any float dtype, cast to `dtype`; or
+            GGUFWeight for GGUF tensors kept as stored (models/weights.read_gguf_native).
         dtype: compute dtype (torch.bfloat16 or torch.float32).
         max_positions: RoPE table length in tokens (the engine's max_model_len).
         quant: int4 weights (an AWQ checkpoint's, or round-to-nearest at load); None: dense.
@@ -81,7 +83,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed_tokens = nn.Embedding.from_pretrained(weights["model.embed_tokens.weight"].to(dtype), freeze=True)
+        embed = weights["model.embed_tokens.weight"]
+        native = isinstance(embed, GGUFWeight)  # a GGUF loaded with its quantized tensors as stored
+        self.embed_tokens = (GGUFEmbedding(embed, dtype) if native
+                             else nn.Embedding.from_pretrained(embed.to(dtype), freeze=True))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, weights, f"model.layers.{i}.", dtype, quant) for i in range(cfg.num_layers)
         )
@@ -91,7 +96,9 @@ class LlamaForCausalLM(nn.Module):
         # the LM head stays in the compute dtype unless asked (rtn) or stored int4 (awq)
         head_q = quant is not None and (quant.lm_head or "lm_head.qweight" in weights)
         rtn = quant.lm_head_group_size if quant is not None and quant.lm_head else None
-        if "lm_head.qweight" in weights or (not cfg.tie_word_embeddings and "lm_head.weight" in weights):
+        if native and cfg.tie_word_embeddings:  # the embedding's blocks serve the head too: one copy
+            self.lm_head = GGUFLinear([embed], None, dtype)
+        elif "lm_head.qweight" in weights or (not cfg.tie_word_embeddings and "lm_head.weight" in weights):
             self.lm_head = make_linear(weights, ["lm_head"], dtype, quant, allow_quant=head_q, rtn_group=rtn)
         elif head_q:
             self.lm_head = make_linear({"lm_head.weight": weights["model.embed_tokens.weight"]}, ["lm_head"], dtype,

@@ -26,11 +26,62 @@ def is_awq_folder(spec: str) -> bool:
     return cfg.is_file() and "quantization_config" in json.loads(cfg.read_text())
 
 
+GGUF_WEIGHTS = ("native", "dequantize")
+
+
+def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
+    """Whether a GGUF file loads with its quantized weights as stored (layers/gguf_linear.py).
+
+    gguf_weights: "native", "dequantize", or None (native where the kernel exists on this machine
+    and no int4 quantization is asked for: RTN and AWQ start from the dequantized weights).
+    Raises ValueError for another value, or "native" with quantization or without the kernel."""
+    from mixserve.layers import gguf_kernels
+
+    if gguf_weights not in (None, *GGUF_WEIGHTS):
+        raise ValueError(f"gguf_weights: must be native or dequantize (got {gguf_weights!r})")
+    if gguf_weights == "dequantize":
+        return False
+    if gguf_weights == "native":
+        if quantization:
+            raise ValueError(f"gguf_weights native: --quantization {quantization} starts from the dequantized "
+                             "weights; use --gguf-weights dequantize")
+        if not gguf_kernels.available():
+            raise ValueError("gguf_weights native: the native GGUF kernel is not available on this machine "
+                             "(it needs AVX512-VNNI and a C++ compiler); use --gguf-weights dequantize")
+        return True
+    return quantization is None and gguf_kernels.available()
+
+
+def _load_native_gguf(path, dtype, max_positions, progress):
+    from mixserve.models.weights import gguf_meta_dir, read_gguf_native
+
+    cfg, _, weights, types = read_gguf_native(path, progress=progress)
+    folder = gguf_meta_dir(path)
+    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
+    parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
+    native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
+    model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
+                           f"int8-activation kernel (layers/gguf_kernels.py), the rest dequantized to {dtype}")
+    del weights
+    return cfg, model, _tokenizer(folder), folder
+
+
+def _tokenizer(folder: Path):
+    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder))
+    return None
+
+
 def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
-               quantization: str | None = None, group_size: int = 128, lm_head: bool = False):
+               quantization: str | None = None, group_size: int = 128, lm_head: bool = False,
+               gguf_weights: str | None = None):
     """Resolve, (convert,) and load a model. Returns (cfg, model, tokenizer or None, folder).
 
-    GGUF files are dequantized once to an HF folder beside them (models/weights.py). A folder whose
+    GGUF files load natively (their quantized tensors as stored, run by layers/gguf_kernels.py)
+    or, with gguf_weights="dequantize" (and always for rtn/awq), from a float32 copy dequantized
+    once to an HF folder beside them (models/weights.py); see `use_native_gguf`. A folder whose
     config.json has an AWQ `quantization_config` loads int4 (quant/loading.py); quantization="rtn"
     rounds a dense model's linears to int4 at load; "awq" insists on an AWQ checkpoint. lm_head:
     round a dense-stored LM head to int4 at load too.
@@ -38,6 +89,8 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     quantization asked for does not match the checkpoint, with a clear message.
     """
     r = resolve_model(spec)
+    if r.kind == "gguf" and use_native_gguf(gguf_weights, quantization):
+        return _load_native_gguf(r.path, dtype, max_positions, progress)
     folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     quant = QuantSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
@@ -68,12 +121,9 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     weights = load_hf_weights(folder)
     model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
     del weights
-    tokenizer = None
-    if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return cfg, model, tokenizer, folder
+    kind = "int4 " + quant.method if quant is not None else "dense"
+    model.weight_format = (f"{kind} weights in {dtype}" + (" (dequantized from the GGUF)" if r.kind == "gguf" else ""))
+    return cfg, model, _tokenizer(Path(folder)), folder
 
 
 def check_same_vocab(cfg, tok, dcfg, dtok) -> None:

@@ -1,4 +1,5 @@
-"""Weight loading: GGUF files (dequantized once and cached as an HF folder) and HF safetensors folders.
+"""Weight loading: GGUF files (read natively, or dequantized once and cached as an HF folder) and HF
+safetensors folders.
 
 GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Dequantization uses the
 `gguf` package (`gguf.quants.dequantize`), so every GGUF type it knows is supported.
@@ -98,6 +99,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _hf_name(gguf_name: str) -> str:
+    """The HF tensor name of a GGUF tensor name. Raises ValueError for one mixserve does not know."""
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("GGUF with rope_freqs (scaled RoPE) is not supported")
+    raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def _heads_to_unpermute(cfg: ModelConfig, name: str) -> int | None:
+    """llama GGUFs store Q/K rows permuted (convert_hf_to_gguf `permute`): the head count to undo it with."""
+    if cfg.arch != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return cfg.num_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return cfg.num_kv_heads
+    return None
+
+
 def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
     """Dequantize every tensor of a GGUF file to float32, under HF tensor names.
 
@@ -110,25 +135,54 @@ def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfi
     cfg, extra = gguf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
-        if t.name in _GGUF_GLOBAL_NAMES:
-            name = _GGUF_GLOBAL_NAMES[t.name]
-        elif t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                raise ValueError(f"unknown GGUF tensor {t.name!r}")
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        elif t.name == "rope_freqs.weight":
-            raise ValueError("GGUF with rope_freqs (scaled RoPE) is not supported")
-        else:
-            raise ValueError(f"unknown GGUF tensor {t.name!r}")
+        name = _hf_name(t.name)
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = _unpermute(arr, cfg.num_heads)
-        elif cfg.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = _unpermute(arr, cfg.num_kv_heads)
+        heads = _heads_to_unpermute(cfg, name)
+        if heads:
+            arr = _unpermute(arr, heads)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     return cfg, extra, tensors
+
+
+def read_gguf_native(path: str | Path, progress: bool = True) -> tuple[ModelConfig, dict, dict, dict]:
+    """A GGUF file's tensors under HF names, the quantized ones kept as the file stores them.
+
+    2-D tensors of a type with a native kernel (layers/gguf_linear.NATIVE_TYPES) become GGUFWeight
+    (the blocks repacked, not a value changed; Q/K rows of llama files reordered as in
+    `dequantize_gguf`); every other tensor (norms, biases, a type without a kernel) is
+    dequantized to float32 by the `gguf` package.
+    Returns (config, tokenizer facts, {hf_name: GGUFWeight or float32 tensor},
+    {GGUF type: [tensor count, bytes in the file]}).
+    Raises ValueError for an unsupported architecture or an unknown tensor name.
+    """
+    import gguf
+
+    from mixserve.layers.gguf_linear import NATIVE_TYPES, GGUFWeight
+
+    reader = gguf.GGUFReader(str(path))
+    cfg, extra = gguf_config(reader)
+    tensors: dict = {}
+    types: dict[str, list[int]] = {}
+    for t in tqdm(reader.tensors, desc="repack", unit="tensor", disable=not progress):
+        name = _hf_name(t.name)
+        qtype = t.tensor_type.name
+        count = types.setdefault(qtype, [0, 0])
+        count[0] += 1
+        count[1] += int(t.n_bytes)
+        heads = _heads_to_unpermute(cfg, name)
+        if qtype in NATIVE_TYPES and len(t.shape) == 2:
+            w = GGUFWeight.from_blocks(qtype, np.asarray(t.data), int(t.shape[0]))
+            if heads:
+                w = w.permute_rows(torch.from_numpy(_unpermute(np.arange(w.out_features), heads).copy()))
+            tensors[name] = w
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        if heads:
+            arr = _unpermute(arr, heads)
+        tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    return cfg, extra, tensors, types
 
 
 def converted_dir(gguf_path: str | Path) -> Path:
@@ -159,16 +213,43 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
+    _write_meta(gguf_path, cfg, tmp)
+    (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _write_meta(gguf_path: str | Path, cfg: ModelConfig, folder: Path) -> None:
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
-        tok.save_pretrained(str(tmp))
+        tok.save_pretrained(str(folder))
     except Exception as e:  # a model without a usable tokenizer still runs on token ids
-        (tmp / "TOKENIZER_ERROR").write_text(repr(e))
-    (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
+        (folder / "TOKENIZER_ERROR").write_text(repr(e))
+
+
+def gguf_meta_dir(gguf_path: str | Path) -> Path:
+    """A folder with a GGUF's config.json, generation_config.json and tokenizer files but no
+    weights (what a natively loaded GGUF needs besides the file): the dequantized copy's folder
+    when that exists, else one written once beside it (`<converted>-meta`)."""
+    full = converted_dir(gguf_path)
+    if (full / "DONE").exists():
+        return full
+    out = full.with_name(full.name + "-meta")
+    if (out / "DONE").exists():
+        return out
+    import gguf
+
+    cfg, _ = gguf_config(gguf.GGUFReader(str(gguf_path)))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_meta(gguf_path, cfg, tmp)
+    (tmp / "DONE").write_text("tokenizer and config only\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -183,7 +264,7 @@ def load_tokenizer(spec: str | Path):
     from mixserve.models.registry import resolve_model
 
     r = resolve_model(spec)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else Path(r.path)
+    folder = gguf_meta_dir(r.path) if r.kind == "gguf" else Path(r.path)
     if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
         raise ValueError(f"model {spec!r} has no tokenizer (in {folder})")
     return AutoTokenizer.from_pretrained(str(folder))

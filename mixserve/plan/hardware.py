@@ -372,7 +372,7 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     """
     from mixserve.env import machine_info
     from mixserve.engine.args import default_dtype
-    from mixserve.models.weights import convert_gguf
+    from mixserve.models.weights import gguf_meta_dir
     from mixserve.models.registry import resolve_model
 
     rows = sorted(set(rows or DEFAULT_ROWS))
@@ -382,7 +382,7 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     if bad:
         raise ValueError(f"formats: unknown {bad}; use bf16 and/or int4")
     r = resolve_model(model)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     dtype = default_dtype()
     log(f"probing {model} on {machine_info()['cpu']} ({torch.get_num_threads()} threads, {dtype})")

@@ -267,11 +267,11 @@ def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 
     from transformers import AutoTokenizer
 
     from mixserve.data.datasets import load_dataset
-    from mixserve.models.weights import convert_gguf
+    from mixserve.models.weights import gguf_meta_dir
     from mixserve.models.registry import resolve_model
 
     r = resolve_model(model)
-    folder = convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path
+    folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     tok = AutoTokenizer.from_pretrained(str(folder))
     reqs = load_dataset(trace, tok, num_prompts, seed=seed, output_len_cap=output_len_cap,
                         max_prompt_len=max_prompt_len)

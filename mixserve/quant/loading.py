@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight
 from mixserve.layers.linear import DenseLinear, Int4Linear, int4_supported
 from mixserve.quant.groupwise import quantize_groupwise
 from mixserve.quant.pack import dequantize_awq, unpack_awq
@@ -65,13 +66,31 @@ def _awq_parts(w: dict, name: str, group_size: int):
     return q, s, z
 
 
+def _gguf_linear(w: dict, names: list[str], bias, dtype: torch.dtype) -> nn.Module:
+    """A GGUFLinear over native GGUF parts, runs of one type concatenated into one part; a part
+    dequantized at load (a type without a kernel) is stored dense here too, so a mixed stack
+    stays one module."""
+    runs: list[list[GGUFWeight]] = []
+    for n in names:
+        t = w[n + ".weight"]
+        if not isinstance(t, GGUFWeight):
+            raise ValueError(f"{n}: stored as {t.dtype}, beside GGUF-quantized parts of one fused linear: "
+                             "load with gguf_weights='dequantize'")
+        if runs and runs[-1][0].qtype == t.qtype:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return GGUFLinear([GGUFWeight.concat(r) if len(r) > 1 else r[0] for r in runs], bias, dtype)
+
+
 def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype, quant: QuantSpec | None,
                 allow_quant: bool = True, rtn_group: int | None = None) -> nn.Module:
     """One linear over the row-wise concatenation of `names` (e.g. q/k/v projections).
 
-    w: HF-named tensors; each name has `.weight` [out, in] or, in AWQ checkpoints, `.qweight`,
-    `.qzeros`, `.scales` (pack.py), and an optional `.bias`. Returns Int4Linear when every part is
-    int4 and the shape suits the int4 kernel, else DenseLinear (noting why in quant.dense).
+    w: HF-named tensors; each name has `.weight` [out, in] (or a GGUFWeight: a native GGUF load,
+    giving a GGUFLinear) or, in AWQ checkpoints, `.qweight`, `.qzeros`, `.scales` (pack.py), and an
+    optional `.bias`. Returns Int4Linear when every part is int4 and the shape suits the int4
+    kernel, else DenseLinear (noting why in quant.dense).
     rtn_group: round dense-stored weights to int4 at this group size whatever quant.method is
     (the LM head of an AWQ model on request).
     Raises ValueError when a weight is missing.
@@ -79,6 +98,8 @@ def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype
     bias = None
     if all(n + ".bias" in w for n in names):
         bias = torch.cat([w[n + ".bias"].to(dtype) for n in names])
+    if any(isinstance(w.get(n + ".weight"), GGUFWeight) for n in names):
+        return _gguf_linear(w, names, bias, dtype)
     is_awq = [n + ".qweight" in w for n in names]
     if any(is_awq) and quant is None:
         raise ValueError(f"checkpoint: {names[0]} holds int4 tensors (qweight) but config.json has no "

@@ -1,0 +1,415 @@
+"""GGUF block-quantized weights held as they are: one int8-activation VNNI kernel for every type.
+
+Every GGUF weight type mixserve runs natively (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; formats in
+ggml's `ggml-common.h` and the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+is a set of unsigned integers q (4, 5, 6 or 8 bits) with, per group g of G input channels (32, or
+16 for Q6_K), an affine map w = s_g * q + m_g. The file's integers and scale fields are kept as they
+are, repacked once at load (layers/gguf_linear.py, quant/gguf_blocks.py), per output row:
+
+- the integers in blocks of 16 groups, in "step" order: the kernel's vector for step i of a block
+  holds, in 32-bit lane l, channels l*G + 4i .. l*G + 4i + 3. So each `vpdpbusd` (u8 x s8, four
+  products summed per lane) adds four channels to each of 16 groups' integer sums, and one block's
+  G/4 steps leave every lane with one group's exact sum: the group scales are then applied once per
+  group (a float multiply per 16 groups), not once per 4 channels. A last block of t < 16 groups
+  is stored compact (4t bytes a step). `lo` uint8 [N, K/2]: the low 4 bits, step p in the low
+  nibble and step p + G/8 in the high nibble of one 64-byte vector;
+- `hi`: the bits above, HB = 0, 1, 2 or 4 of them: a second nibble plane like `lo` (Q8_0, HB 4),
+  or per step and bit a 64-bit mask (Q5_0 1 bit, Q6_K 2 bits);
+- `d` float16 [N, K/S]: the scale per super-block of S channels (S = G for the 32-blocks, 256 for
+  the K-quants), `sc` int8 [N, K/G]: the K-quants' integer sub-block scales (s_g = d * sc_g);
+- the offset, one of: m_g = -z * s_g (the symmetric types: z = 8, 16, 32 or 128), m_g = dm_g
+  (Q4_1's stored min), or m_g = dm * mn_g (Q4_K: dm = -dmin, mn the 6-bit mins).
+Every product d * sc and dm * mn is exact in float32 and s * q + m is one fused multiply-add of
+exact operands, so the effective weights (`dequantize`) equal gguf's float32 dequantization
+bit for bit (tests/unit/test_gguf_native.py).
+
+The matmul quantizes each activation row to int8 with one scale per 32 channels (llama.cpp's Q8_0
+granularity), and adds the offsets as sum_g m_g * dx * sum_(k in g) xq[k]: the result is the
+exact effective weights times the int8-quantized activations, accumulated in float32. `levels` > 1
+feeds each row in as its quantization and the quantizations of what that left over (float32
+logits from an LM head). The kernel prefetches the weight rows `prefetch` row pairs ahead, a
+distance chosen by timing per machine (0: the hardware prefetcher alone).
+"""
+from __future__ import annotations
+
+import torch
+
+from mixserve.layers.cpp_build import build_extension
+
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_VNNI 1
+#endif
+
+struct Layout {
+  const uint8_t* lo; const uint8_t* hi; const at::Half* d; const int8_t* sc; const at::Half* dm;
+  const uint8_t* mn; int64_t N, K, G, S, HB, ng, nb, hib; float z;
+};
+
+static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc, torch::Tensor dm,
+                     torch::Tensor mn, int64_t G, int64_t S, int64_t HB, double z) {
+  Layout L;
+  TORCH_CHECK(lo.scalar_type() == at::kByte && lo.dim() == 2 && lo.is_contiguous(), "gguf: lo uint8 [N, K/2]");
+  L.N = lo.size(0); L.K = lo.size(1) * 2; L.G = G; L.S = S; L.HB = HB; L.z = (float)z;
+  TORCH_CHECK((G == 16 || G == 32) && L.K % G == 0 && S % G == 0 && L.K % S == 0 && (S == G || 16 % (S / G) == 0),
+              "gguf: unsupported group sizes");
+  TORCH_CHECK(HB == 0 || HB == 1 || HB == 2 || HB == 4, "gguf: HB in 0, 1, 2, 4");
+  L.ng = L.K / G; L.nb = (L.ng + 15) / 16;
+  L.hib = HB == 4 ? L.K / 2 : L.nb * (G / 4) * HB * 8;  // hi bytes per row
+  TORCH_CHECK(HB == 0 || (hi.scalar_type() == at::kByte && hi.numel() == L.N * L.hib && hi.is_contiguous()), "gguf: hi");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.numel() == L.N * (L.K / S) && d.is_contiguous(), "gguf: d");
+  const bool ks = S != G;
+  TORCH_CHECK(!ks || (sc.scalar_type() == at::kChar && sc.numel() == L.N * L.ng && sc.is_contiguous()), "gguf: sc");
+  const bool has_dm = dm.numel() > 0, has_mn = mn.numel() > 0;
+  TORCH_CHECK(!has_dm || (dm.scalar_type() == at::kHalf && dm.numel() == d.numel() && dm.is_contiguous()), "gguf: dm");
+  TORCH_CHECK(!has_mn || (has_dm && ks && mn.scalar_type() == at::kByte && mn.numel() == sc.numel() &&
+              mn.is_contiguous()), "gguf: mn");
+  L.lo = lo.data_ptr<uint8_t>();
+  L.hi = HB ? hi.data_ptr<uint8_t>() : nullptr;
+  L.d = d.data_ptr<at::Half>();
+  L.sc = ks ? sc.data_ptr<int8_t>() : nullptr;
+  L.dm = has_dm ? dm.data_ptr<at::Half>() : nullptr;
+  L.mn = has_mn ? mn.data_ptr<uint8_t>() : nullptr;
+  return L;
+}
+
+#ifdef GGUF_VNNI
+static inline __m512 halves16(const at::Half* p, __mmask16 k) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+
+static inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else  // round to nearest even on the bits (the weights are finite)
+  __m512i u = _mm512_castps_si512(v);
+  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+
+// row n's s_g and m_g for the 16 groups of block b (lanes past the row's groups are zero)
+static inline void block_scales(const Layout& L, int64_t n, int64_t b, __m512& sv, __m512& mv) {
+  const int64_t g0 = 16 * b, cnt = std::min<int64_t>(16, L.ng - g0), ns = L.K / L.S, gps = L.S / L.G;
+  const __mmask16 k = (__mmask16)((1u << cnt) - 1);
+  const at::Half* d = L.d + n * ns;
+  if (gps == 1) {
+    sv = halves16(d + g0, k);
+    mv = L.dm ? halves16(L.dm + n * ns + g0, k) : _mm512_mul_ps(sv, _mm512_set1_ps(-L.z));
+    return;
+  }
+  // K-quants: s_g = d[g / gps] * sc_g, lanes spread from the block's one or two super-blocks
+  const __m512i sel = gps == 8 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                               : _mm512_setzero_si512();
+  const int64_t sb = g0 / gps, nsb = std::min<int64_t>((cnt + gps - 1) / gps, ns - sb);
+  const __mmask16 kb = (__mmask16)((1u << nsb) - 1);
+  const __m512 dv = _mm512_permutexvar_ps(sel, halves16(d + sb, kb));
+  sv = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, L.sc + n * L.ng + g0))));
+  if (L.mn) {
+    const __m512 dmv = _mm512_permutexvar_ps(sel, halves16(L.dm + n * ns + sb, kb));
+    mv = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, L.mn + n * L.ng + g0))));
+  } else {
+    mv = _mm512_mul_ps(sv, _mm512_set1_ps(-L.z));
+  }
+}
+
+static inline __mmask64 mask_at(const uint8_t* p) {
+  uint64_t u;
+  std::memcpy(&u, p, 8);
+  return _cvtu64_mask64(u);
+}
+
+// steps p and p + G/8 of row n's block b: the unsigned integers, lane l byte j = channel l*G + 4*step + j
+template <int G, int HB>
+static inline void unpack(const Layout& L, int64_t n, int64_t b, int64_t p, __mmask64 km, int64_t t,
+                          __m512i& qa, __m512i& qb) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t off = b * 8 * G + p * 4 * t;
+  const __m512i v = _mm512_maskz_loadu_epi8(km, L.lo + n * (L.K / 2) + off);
+  qa = _mm512_and_si512(v, low);
+  qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (HB == 4) {
+    const __m512i h = _mm512_maskz_loadu_epi8(km, L.hi + n * (L.K / 2) + off);
+    const __m512i top = _mm512_set1_epi8((char)0xF0);
+    qa = _mm512_or_si512(qa, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+    qb = _mm512_or_si512(qb, _mm512_and_si512(h, top));
+  } else if constexpr (HB > 0) {
+    const uint8_t* hp = L.hi + n * L.hib + b * (G / 4) * HB * 8;
+    for (int h = 0; h < HB; ++h) {
+      const __m512i bit = _mm512_set1_epi8((char)(16 << h));
+      qa = _mm512_or_si512(qa, _mm512_maskz_mov_epi8(mask_at(hp + (p * HB + h) * 8), bit));
+      qb = _mm512_or_si512(qb, _mm512_maskz_mov_epi8(mask_at(hp + ((p + G / 8) * HB + h) * 8), bit));
+    }
+  }
+}
+
+// R activation rows against every weight row, two weight rows a pass sharing each activation load.
+// xp int8 [R, nb * 16G] in step order (lane l of step i = channels l*G + 4i .. + 3 of the block);
+// dxv, xsv [R, nb] vectors: per group lane, the activation scale and dx * sum of the group's xq
+template <int R, int G, int HB>
+static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t ystride,
+                int64_t PF) {
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
+  at::parallel_for(0, (N + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t n = 2 * pr, nn = std::min<int64_t>(2, N - n), n1 = nn > 1 ? n + 1 : n;
+      __m512 acc0[R], acc1[R];
+      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+        __m512i ia0[R], ib0[R], ia1[R], ib1[R];
+        for (int r = 0; r < R; ++r) ia0[r] = ib0[r] = ia1[r] = ib1[r] = _mm512_setzero_si512();
+        for (int64_t p = 0; p < G / 8; ++p) {
+          // the row pair PF pairs ahead (PF chosen by timing): the hardware prefetcher alone left
+          // the loads exposed (on the project's Xeon, 12.6 -> 16.4 GB/s on the 1.5B's gate)
+          const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
+          if (PF) {
+            _mm_prefetch((const char*)(L.lo + ahead * (L.K / 2) + off), _MM_HINT_T0);
+            _mm_prefetch((const char*)(L.lo + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
+            if constexpr (HB == 4) {
+              _mm_prefetch((const char*)(L.hi + ahead * (L.K / 2) + off), _MM_HINT_T0);
+              _mm_prefetch((const char*)(L.hi + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
+            } else if constexpr (HB > 0) {
+              if (p == 0) {
+                _mm_prefetch((const char*)(L.hi + ahead * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
+                _mm_prefetch((const char*)(L.hi + (ahead + 1) * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
+              }
+            }
+          }
+          __m512i qa0, qb0, qa1, qb1;
+          unpack<G, HB>(L, n, b, p, km, t, qa0, qb0);
+          unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xp + r * xrow + b * 16 * G;
+            const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
+            ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, xa);
+            ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, xb);
+            ia1[r] = _mm512_dpbusd_epi32(ia1[r], qa1, xa);
+            ib1[r] = _mm512_dpbusd_epi32(ib1[r], qb1, xb);
+          }
+        }
+        __m512 sv0, mv0, sv1, mv1;
+        block_scales(L, n, b, sv0, mv0);
+        block_scales(L, n1, b, sv1, mv1);
+        for (int r = 0; r < R; ++r) {
+          const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
+          acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia0[r], ib0[r])), _mm512_mul_ps(sv0, dx),
+                                    _mm512_fmadd_ps(mv0, xs, acc0[r]));
+          acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia1[r], ib1[r])), _mm512_mul_ps(sv1, dx),
+                                    _mm512_fmadd_ps(mv1, xs, acc1[r]));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        y[r * ystride + n] = _mm512_reduce_add_ps(acc0[r]);
+        if (nn > 1) y[r * ystride + n + 1] = _mm512_reduce_add_ps(acc1[r]);
+      }
+    }
+  });
+}
+
+template <int G, int HB>
+static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ,
+                     int64_t PF) {
+  const int64_t xrow = L.nb * 16 * G;
+  for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, RQ - r0);
+    const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * L.nb; const __m512* c = xsv + r0 * L.nb;
+    float* o = y + r0 * L.N;
+    switch (rr) {
+      case 1: run<1, G, HB>(L, a, b, c, o, L.N, PF); break;
+      case 2: run<2, G, HB>(L, a, b, c, o, L.N, PF); break;
+      case 3: run<3, G, HB>(L, a, b, c, o, L.N, PF); break;
+      default: run<4, G, HB>(L, a, b, c, o, L.N, PF); break;
+    }
+  }
+}
+#endif
+
+bool available() {
+#ifdef GGUF_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// one activation row's int8 quantization per 32 channels; rest (if given) gets what it left
+static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const float* xc = xr + c * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xc[i]));
+    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
+    d[c] = dc;
+    for (int i = 0; i < 32; ++i) {
+      const float qi = std::nearbyint(xc[i] * inv);
+      q[c * 32 + i] = (int8_t)qi;
+      if (rest) rest[c * 32 + i] = xc[i] - qi * dc;
+    }
+  }
+}
+
+// x float [R, K] -> y float [R, N]
+torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
+                     torch::Tensor dm, torch::Tensor mn, int64_t G, int64_t S, int64_t HB, double z, int64_t levels,
+                     int64_t prefetch) {
+  const Layout L = layout(lo, hi, d, sc, dm, mn, G, S, HB, z);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
+              "gguf matmul: x float32 [R, K] contiguous");
+  TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
+  const int64_t R = x.size(0), K = L.K, nb = L.nb, RQ = levels * R, xrow = nb * 16 * G;
+  auto y = torch::empty({RQ, L.N}, x.options());
+#ifdef GGUF_VNNI
+  const float* xsrc = x.data_ptr<float>();
+  std::vector<int8_t> xq(K), xp(RQ * xrow, 0);
+  std::vector<float> dx(K / 32), rest(2 * K);
+  std::vector<__m512> dxv(RQ * nb), xsv(RQ * nb);
+  alignas(64) float dl[16], sl[16];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = xsrc + r * K;
+    for (int64_t i = 0; i < levels; ++i) {
+      const int64_t row = levels * r + i;
+      float* left = rest.data() + (i % 2) * K;
+      quantize_row(src, K, xq.data(), dx.data(), i + 1 < levels ? left : nullptr);
+      src = left;
+      int8_t* out = xp.data() + row * xrow;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int l = 0; l < 16; ++l) {
+          const int64_t g = 16 * b + l;
+          dl[l] = sl[l] = 0.f;
+          if (g >= L.ng) continue;
+          int32_t sum = 0;
+          for (int64_t c = 0; c < G; ++c) {  // channel c of group g -> step c / 4, lane l, byte c % 4
+            const int8_t v = xq[g * G + c];
+            out[b * 16 * G + (c / 4) * 64 + 4 * l + (c % 4)] = v;
+            sum += v;
+          }
+          dl[l] = dx[g * G / 32];
+          sl[l] = dl[l] * (float)sum;
+        }
+        dxv[row * nb + b] = _mm512_load_ps(dl);
+        xsv[row * nb + b] = _mm512_load_ps(sl);
+      }
+    }
+  }
+  float* yp = y.data_ptr<float>();
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xp.data(), dxv.data(), xsv.data(), yp, RQ, prefetch); } else
+  GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 2) GGUF_CASE(32, 4)
+  GGUF_CASE(16, 0) GGUF_CASE(16, 1) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
+  { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
+#undef GGUF_CASE
+#else
+  TORCH_CHECK(false, "gguf matmul: built without AVX512-VNNI");
+#endif
+  return levels > 1 ? y.view({R, levels, L.N}).sum(1) : y;
+}
+
+// the effective weights of rows `rows` (int64 [M], or all rows when empty) -> out [M, K] float32 or
+// bfloat16, w = fma(q, s_g, m_g)
+template <int G, int HB, typename O>
+static void dequant_impl(const Layout& L, const int64_t* rows, int64_t M, O* out) {
+#ifdef GGUF_VNNI
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    alignas(64) uint8_t st[16 * G], nat[16 * G];
+    alignas(64) float s[16], m[16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = rows ? rows[i] : i;
+      O* o = out + i * L.K;
+      for (int64_t b = 0; b < L.nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+        for (int64_t p = 0; p < G / 8; ++p) {
+          __m512i qa, qb;
+          unpack<G, HB>(L, n, b, p, km, t, qa, qb);
+          _mm512_store_si512((void*)(st + p * 64), qa);
+          _mm512_store_si512((void*)(st + (p + G / 8) * 64), qb);
+        }
+        for (int64_t l = 0; l < t; ++l)  // step-major words -> group-major
+          for (int64_t c = 0; c < G / 4; ++c) std::memcpy(nat + l * G + 4 * c, st + c * 64 + 4 * l, 4);
+        __m512 sv, mv;
+        block_scales(L, n, b, sv, mv);
+        _mm512_store_ps(s, sv);
+        _mm512_store_ps(m, mv);
+        for (int64_t u = 0; u < t * G / 16; ++u) {
+          const int64_t g = u * 16 / G;
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(nat + 16 * u))));
+          const __m512 w = _mm512_fmadd_ps(f, _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
+          O* dst = o + b * 16 * G + 16 * u;
+          if constexpr (std::is_same<O, float>::value) _mm512_storeu_ps(dst, w);
+          else _mm256_storeu_si256((__m256i*)dst, to_bf16(w));
+        }
+      }
+    }
+  });
+#endif
+}
+
+template <typename O>
+static void dequant_any(const Layout& L, const int64_t* rows, int64_t M, O* out) {
+#define GGUF_DQ(g, hb) if (L.G == g && L.HB == hb) { dequant_impl<g, hb, O>(L, rows, M, out); } else
+  GGUF_DQ(32, 0) GGUF_DQ(32, 1) GGUF_DQ(32, 2) GGUF_DQ(32, 4)
+  GGUF_DQ(16, 0) GGUF_DQ(16, 1) GGUF_DQ(16, 2) GGUF_DQ(16, 4)
+  { TORCH_CHECK(false, "gguf dequantize: no kernel for this layout"); }
+#undef GGUF_DQ
+}
+
+void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc, torch::Tensor dm,
+             torch::Tensor mn, int64_t G, int64_t S, int64_t HB, double z, torch::Tensor rows, bool all_rows,
+             torch::Tensor out) {
+#ifndef GGUF_VNNI
+  TORCH_CHECK(false, "gguf dequantize: built without AVX512-VNNI");
+#endif
+  const Layout L = layout(lo, hi, d, sc, dm, mn, G, S, HB, z);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(1) == L.K, "gguf dequantize: out [M, K] contiguous");
+  const int64_t M = out.size(0);
+  TORCH_CHECK(all_rows ? M == L.N : (rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == M),
+              "gguf dequantize: rows int64 [M] contiguous");
+  const int64_t* rp = all_rows ? nullptr : rows.data_ptr<int64_t>();
+  if (rp)
+    for (int64_t i = 0; i < M; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < L.N, "gguf dequantize: row out of range");
+  if (out.scalar_type() == at::kFloat) dequant_any(L, rp, M, out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16) dequant_any(L, rp, M, out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "gguf dequantize: out float32 or bfloat16");
+}
+
+TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
+  lib.def("gguf_matmul(Tensor x, Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int G, int S, "
+          "int HB, float z, int levels=1, int prefetch=0) -> Tensor");
+  lib.def("gguf_dequant(Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int G, int S, int HB, "
+          "float z, Tensor rows, bool all_rows, Tensor(a!) out) -> ()");
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
+  lib.impl("gguf_matmul", &matmul);
+  lib.impl("gguf_dequant", &dequant);
+}
+"""
+
+_state: dict = {}
+
+
+def _load():
+    if "mod" not in _state:
+        mod = build_extension("mixserve_gguf_v3", _SRC, ["available"])
+        mod = mod if mod is not None and mod.available() else None
+        if mod is not None:
+            torch.library.register_fake("mixserve::gguf_matmul")(
+                lambda x, lo, hi, d, sc, dm, mn, G, S, HB, z, levels=1, prefetch=0: x.new_empty(x.shape[0], lo.shape[0]))
+            torch.library.register_fake("mixserve::gguf_dequant")(
+                lambda lo, hi, d, sc, dm, mn, G, S, HB, z, rows, all_rows, out: None)
+        _state["mod"] = mod
+    return _state["mod"]
+
+
+def available() -> bool:
+    """True where the kernel builds for this CPU (AVX512-VNNI and AVX512-BW) and loads."""
+    return _load() is not None

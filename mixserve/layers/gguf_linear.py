@@ -1,0 +1,361 @@
+"""Linears and embeddings on GGUF block-quantized weights as the file stores them.
+
+`GGUFWeight` is one tensor in the native kernel's layout (layers/gguf_kernels.py), built from the
+file's blocks without changing a bit of them (quant/gguf_blocks.py). `GGUFLinear` multiplies by one
+or more such parts stacked along the output (a fused q/k/v whose parts have different types);
+`GGUFEmbedding` dequantizes the rows it looks up.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixserve.layers import gguf_kernels
+from mixserve.layers.int4_dequant import scratch
+from mixserve.quant.gguf_blocks import BLOCK_SIZES, PARSERS
+
+NATIVE_TYPES = tuple(PARSERS)
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+# rows of weight dequantized at a time for float32 many-row logits (a whole head in float32 is 0.5 GB)
+F32_SLICE_ROWS = 4096
+# largest weight (elements) dequantized into the reused scratch buffer for the many-row GEMM
+SCRATCH_MAX_ELEMENTS = 32 << 20
+
+
+def _steps(q: np.ndarray, group: int) -> list[np.ndarray]:
+    """q uint8 [N, K] -> the kernel's step order (layers/gguf_kernels.py): blocks of 16 groups, in
+    each step i byte 4l + j = channel l*G + 4i + j; [N, blocks, G/4, 64] for the full blocks and
+    [N, 1, G/4, 4t] for a tail of t < 16 groups."""
+    n, k = q.shape
+    ng = k // group
+    full, t = divmod(ng, 16)
+    out = []
+    if full:
+        out.append(q[:, :full * 16 * group].reshape(n, full, 16, group // 4, 4).transpose(0, 1, 3, 2, 4)
+                   .reshape(n, full, group // 4, 64))
+    if t:
+        out.append(q[:, full * 16 * group:].reshape(n, 1, t, group // 4, 4).transpose(0, 1, 3, 2, 4)
+                   .reshape(n, 1, group // 4, 4 * t))
+    return out
+
+
+def _nibble_plane(parts: list[np.ndarray], group: int) -> np.ndarray:
+    """Step-ordered nibbles -> uint8 [N, K/2]: step p in the low nibble, step p + G/8 in the high."""
+    h = group // 8
+    n = parts[0].shape[0]
+    return np.concatenate([((a[:, :, :h] & 15) | ((a[:, :, h:] & 15) << 4)).reshape(n, -1) for a in parts], axis=1)
+
+
+def _bit_planes(parts: list[np.ndarray], hb: int) -> np.ndarray:
+    """Bits 4 .. 4 + hb - 1 of step-ordered integers -> uint8 [N, blocks * G/4 * hb * 8]: per step
+    and plane a 64-bit little-endian mask, bit 4l + j for lane l byte j (a tail's lanes zero)."""
+    n = parts[0].shape[0]
+    out = []
+    for a in parts:
+        a = np.pad(a, ((0, 0), (0, 0), (0, 0), (0, 64 - a.shape[-1]))) if a.shape[-1] < 64 else a
+        bits = np.stack([(a >> (4 + h)) & 1 for h in range(hb)], axis=3)  # [N, B, G/4, hb, 64]
+        out.append(np.packbits(bits, axis=-1, bitorder="little").reshape(n, -1))
+    return np.concatenate(out, axis=1)
+
+
+class GGUFWeight:
+    """One GGUF tensor [N, K] (N output rows, K input channels) in the native layout.
+
+    Built with `from_blocks`; `qtype` is the GGUF type name ("Q4_K", ...). Tensors (all
+    [N, ...], row-major, so rows can be concatenated and permuted): lo, hi, d, sc, dm, mn as in
+    layers/gguf_kernels.py (empty where the type has none). Only these stay resident.
+    """
+
+    TENSORS = ("lo", "hi", "d", "sc", "dm", "mn")
+
+    def __init__(self, qtype: str, n: int, k: int, tensors: dict, group: int, superblock: int, hb: int, zero: int):
+        if not gguf_kernels.available():  # registers the ops the methods call
+            raise RuntimeError("the native GGUF kernel is not available on this machine (needs AVX512-VNNI and "
+                               "a C++ compiler); load with gguf_weights='dequantize'")
+        self.qtype, self.out_features, self.in_features = qtype, n, k
+        self.group, self.superblock, self.hb, self.zero = group, superblock, hb, zero
+        self.prefetch = 0  # row pairs ahead the kernel prefetches (0: the hardware's alone); chosen by timing
+        for name in self.TENSORS:
+            setattr(self, name, tensors[name])
+
+    @classmethod
+    def from_blocks(cls, qtype: str, blocks: np.ndarray, k: int) -> "GGUFWeight":
+        """blocks: uint8 [N, row bytes] (gguf.GGUFReader's `data` for a quantized 2-D tensor) of type
+        `qtype`; k input channels per row. Raises ValueError for a type without a native kernel."""
+        if qtype not in PARSERS:
+            raise ValueError(f"GGUF type {qtype} has no native kernel (native: {', '.join(NATIVE_TYPES)})")
+        n = blocks.shape[0]
+        bs, ts = BLOCK_SIZES[qtype]
+        if k % bs or blocks.shape[1] != k // bs * ts:
+            raise ValueError(f"GGUF {qtype}: {blocks.shape[1]} bytes per row do not hold {k} channels")
+        f = PARSERS[qtype](blocks.reshape(n, k // bs, ts))
+        steps = _steps(f.q, f.group)
+        hb = {4: 0, 5: 1, 6: 2, 8: 4}[f.bits]
+        if hb == 4:
+            hi = _nibble_plane([a >> 4 for a in steps], f.group)
+        elif hb:
+            hi = _bit_planes(steps, hb)
+        else:
+            hi = np.empty(0, np.uint8)
+        c = np.ascontiguousarray
+        t = {"lo": torch.from_numpy(_nibble_plane(steps, f.group)), "hi": torch.from_numpy(c(hi)),
+             "d": torch.from_numpy(c(f.d)),
+             "sc": torch.from_numpy(c(f.sc)) if f.sc is not None else torch.empty(0, dtype=torch.int8),
+             "dm": torch.from_numpy(c(f.dm)) if f.dm is not None else torch.empty(0, dtype=torch.float16),
+             "mn": torch.from_numpy(c(f.mn)) if f.mn is not None else _EMPTY_U8}
+        return cls(qtype, n, k, t, f.group, f.superblock, hb, f.zero)
+
+    @staticmethod
+    def concat(parts: list["GGUFWeight"]) -> "GGUFWeight":
+        """Parts of one type and input size stacked along the output rows."""
+        a = parts[0]
+        t = {name: torch.cat([getattr(p, name) for p in parts]) if getattr(a, name).numel() else getattr(a, name)
+             for name in GGUFWeight.TENSORS}
+        return GGUFWeight(a.qtype, sum(p.out_features for p in parts), a.in_features, t, a.group, a.superblock,
+                          a.hb, a.zero)
+
+    def permute_rows(self, index: torch.Tensor) -> "GGUFWeight":
+        """The same weight with its output rows reordered (w'[i] = w[index[i]])."""
+        t = {name: getattr(self, name)[index].contiguous() if getattr(self, name).numel() else getattr(self, name)
+             for name in self.TENSORS}
+        return GGUFWeight(self.qtype, self.out_features, self.in_features, t, self.group, self.superblock,
+                          self.hb, self.zero)
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.TENSORS)
+
+    def _args(self):
+        return (self.lo, self.hi, self.d, self.sc, self.dm, self.mn, self.group, self.superblock, self.hb,
+                float(self.zero))
+
+    def matmul(self, x: torch.Tensor, levels: int = 1) -> torch.Tensor:
+        """x [R, K] (any float dtype) -> float32 [R, N]: the effective weights times x quantized to
+        int8 per 128-channel chunk (`levels` int8 rows per row, 1-4). Raises RuntimeError where the
+        kernel is not built (`gguf_kernels.available()`)."""
+        return torch.ops.mixserve.gguf_matmul(x.float().contiguous(), *self._args(), levels, self.prefetch)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The effective weights [N, K] (or rows `rows`, int64 [M] -> [M, K]) in float32 or
+        bfloat16: fma(q, s_g, m_g), in float32 equal to `gguf.quants.dequantize` of the file's
+        blocks. `out`: a contiguous buffer of at least M * K elements to write into."""
+        m = self.out_features if rows is None else rows.numel()
+        if out is None:
+            out = torch.empty(m, self.in_features, dtype=dtype)
+        else:
+            out = out.view(-1)[: m * self.in_features].view(m, self.in_features)
+        idx = _NO_ROWS if rows is None else rows.reshape(-1).long().contiguous()
+        torch.ops.mixserve.gguf_dequant(*self._args(), idx, rows is None, out)
+        return out
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W^T + b with W the row-stack of GGUFWeight `parts` (one per GGUF type run).
+
+    Few rows (decode): the native kernel (int8 activations, layers/gguf_kernels.py). From
+    `dense_rows` rows (None: never) the weight is dequantized to the compute dtype into a scratch
+    buffer and the dense GEMM runs; where that pays is measured per machine
+    (`gguf_candidates`, layers/kernel_choice.py). float_out (an LM head): float32 logits, from
+    three-level int8 activations below `float_dense_rows` rows, else a float32 dequantization
+    4,096 rows at a time and PyTorch's float32 GEMM.
+
+    Args: parts: GGUFWeights with one in_features; bias [out] or None; dtype: compute dtype.
+    Raises ValueError for parts of different input sizes.
+    """
+
+    def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError("GGUFLinear: parts differ in input size")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = bias.to(dtype).contiguous() if bias is not None else None
+        self.dtype = dtype
+        self.dense_rows: int | None = None
+        self.float_out = False
+        self.float_dense_rows: int | None = None
+
+    @property
+    def qtypes(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def dense_weight(self, dtype: torch.dtype | None = None, reuse: bool = False) -> torch.Tensor:
+        """The effective weight [out, in] in `dtype` (default the compute dtype); reuse=True writes
+        it into the thread's scratch buffer, valid until the next such call."""
+        dtype = dtype or self.dtype
+        n = self.out_features * self.in_features
+        out = scratch(n, dtype) if reuse and n <= SCRATCH_MAX_ELEMENTS else torch.empty(n, dtype=dtype)
+        row = 0
+        for p in self.parts:
+            p.dequantize(dtype, out=out[row * self.in_features:(row + p.out_features) * self.in_features])
+            row += p.out_features
+        return out.view(self.out_features, self.in_features)
+
+    def _kernel(self, x2: torch.Tensor, levels: int = 1) -> torch.Tensor:
+        ys = [p.matmul(x2, levels) for p in self.parts]
+        return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_out:
+            return self.forward_float(x)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features, dtype=self.dtype)
+        if self.dense_rows is None or rows < self.dense_rows:
+            y = self._kernel(x.reshape(rows, -1)).to(self.dtype).view(*x.shape[:-1], self.out_features)
+            return y + self.bias if self.bias is not None else y
+        return F.linear(x.to(self.dtype), self.dense_weight(reuse=True), self.bias)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out], x @ W^T + b to ~1e-4 of the float32 product with the
+        effective weights (three int8 levels), or exactly that product's float32 GEMM from
+        `float_dense_rows` rows."""
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.float_dense_rows is None or x2.shape[0] < self.float_dense_rows:
+            y = self._kernel(x2, levels=3)
+        else:
+            ys = []
+            buf = torch.empty(min(F32_SLICE_ROWS, max(p.out_features for p in self.parts)) * self.in_features)
+            for p in self.parts:
+                for r0 in range(0, p.out_features, F32_SLICE_ROWS):
+                    idx = torch.arange(r0, min(r0 + F32_SLICE_ROWS, p.out_features))
+                    ys.append(x2 @ p.dequantize(torch.float32, rows=idx, out=buf).t())
+            y = torch.cat(ys, -1)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding looked up from a GGUF weight [vocab, hidden]: the ids' rows dequantized
+    (exactly gguf's values) and cast to the compute dtype. input_ids int64 [...] -> [..., hidden]."""
+
+    def __init__(self, weight: GGUFWeight, dtype: torch.dtype):
+        super().__init__()
+        self.weight_q, self.dtype = weight, dtype
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_q.dequantize(torch.float32, rows=input_ids.reshape(-1))
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+
+# the fp16 scale fields of each block type (bytes), set to a finite value in random test weights
+_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
+    """A GGUFWeight [n, k] of `qtype` from random blocks (scales set to 1e-3): for timing and tests."""
+    bs, ts = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
+    for off in _HALF_FIELDS[qtype]:
+        blocks[..., off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
+    return GGUFWeight.from_blocks(qtype, blocks.reshape(n, -1), k)
+
+
+def _clone(w: GGUFWeight) -> GGUFWeight:
+    c = GGUFWeight(w.qtype, w.out_features, w.in_features, {m: getattr(w, m).clone() for m in GGUFWeight.TENSORS},
+                   w.group, w.superblock, w.hb, w.zero)
+    c.prefetch = w.prefetch
+    return c
+
+
+def _copies(lin: GGUFLinear, **attrs) -> list:
+    """GGUFLinears shaped like `lin` on random weights of its parts' types, rotating past the cache."""
+    from mixserve.layers.kernel_choice import rotating_copies
+
+    base = [random_weight(p.qtype, p.out_features, p.in_features) for p in lin.parts]
+    for b, p in zip(base, lin.parts):
+        b.prefetch = p.prefetch
+
+    def make():
+        m = GGUFLinear([_clone(b) for b in base], None, lin.dtype)
+        for name, v in attrs.items():
+            setattr(m, name, v)
+        return m
+    return rotating_copies(make, lin.weight_bytes())
+
+
+PREFETCH_PAIRS = (0, 2, 4, 8, 16)
+
+
+def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice's `gguf_prefetch` choice: seconds per 1-row call of the native
+    kernel on random weights of w's type and shape with each prefetch distance (row pairs ahead)."""
+    from mixserve.layers.kernel_choice import time_calls
+
+    mods: list = []
+
+    def timer(pf):
+        def run():
+            if not mods:
+                lin = GGUFLinear([w], None, dtype)
+                mods[:] = _copies(lin)
+            x = torch.randn(1, w.in_features).to(dtype)
+            for m in mods:
+                m.parts[0].prefetch = pf
+            return time_calls(mods, lambda m: m(x))
+        return run
+    return {str(pf): timer(pf) for pf in PREFETCH_PAIRS}
+
+
+# Row counts at which the native kernel and dequantize + dense GEMM are timed to place the switch
+GGUF_ROWS = (1, 4, 16, 32, 64, 128, 512)
+
+
+def dense_switch_candidates(lin: GGUFLinear) -> dict:
+    """Timers for the `gguf_dense_rows` choice (linear.switch_candidates over GGUF_ROWS): the
+    native kernel against dequantize + the dense GEMM in the compute dtype."""
+    from mixserve.layers.kernel_choice import time_calls
+    from mixserve.layers.linear import switch_candidates
+
+    mods: list = []
+
+    def time_at(r, many):
+        mods[:] = mods or _copies(lin)
+        x = torch.randn(r, lin.in_features).to(lin.dtype)
+        for m in mods:
+            m.dense_rows = 0 if many else None
+        return time_calls(mods, lambda m: m(x))
+    return switch_candidates(GGUF_ROWS, time_at)
+
+
+def float_head_candidates(lin: GGUFLinear) -> dict:
+    """Timers for a GGUF LM head's float32 switch (`float_head_rows`): three-level int8 kernel
+    against float32 dequantization + GEMM, over linear.FLOAT_HEAD_ROWS."""
+    from mixserve.layers.kernel_choice import time_calls
+    from mixserve.layers.linear import FLOAT_HEAD_ROWS, switch_candidates
+
+    mods: list = []
+
+    def time_at(r, many):
+        mods[:] = mods or _copies(lin, float_out=True)
+        x = torch.randn(r, lin.in_features).to(lin.dtype)
+        for m in mods:
+            m.float_dense_rows = 0 if many else None
+        return time_calls(mods, lambda m: m(x))
+    return switch_candidates(FLOAT_HEAD_ROWS, time_at)
+
+
+def choose(lin: GGUFLinear, chooser) -> None:
+    """Set `lin`'s prefetch distances and row switch to the chooser's picks (measured once per
+    machine and cached, layers/kernel_choice.py)."""
+    dt = str(lin.dtype).removeprefix("torch.")
+    for p in lin.parts:
+        p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
+                                        prefetch_candidates(p, lin.dtype), "0"))
+    shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}"
+    if lin.float_out:
+        pick = chooser.choose(f"float_head_rows/gguf/{shape}", float_head_candidates(lin), "never")
+        lin.float_dense_rows = None if pick == "never" else int(pick)
+    else:
+        pick = chooser.choose(f"gguf_dense_rows/{dt}/{shape}", dense_switch_candidates(lin), "never")
+        lin.dense_rows = None if pick == "never" else int(pick)

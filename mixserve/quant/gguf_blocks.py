@@ -1,0 +1,103 @@
+"""GGUF block formats read as integers and scale fields (not dequantized), for the native kernels.
+
+Block layouts as in ggml's `ggml-common.h` (block_q4_0 ... block_q6_K), the same the `gguf`
+package's `gguf.quants` dequantizes. Each parser takes one tensor's blocks, uint8
+[rows, blocks per row, bytes per block], and returns `Fields`: unsigned integers q and the affine
+map of each group of `group` input channels, w = s_g * q + m_g, with s_g = d * sc_g and m_g one
+of -zero * s_g, dm_g, dm * mn_g (layers/gguf_kernels.py explains the forms).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Fields:
+    """One tensor's integers and scales, rows x K input channels.
+
+    q: uint8 [rows, K] unsigned integers; d: float16 [rows, K / superblock]; sc: int8
+    [rows, K / group] or None (s_g = d); dm: float16 like d or None; mn: uint8 like sc or None;
+    zero: the symmetric types' integer offset (m_g = -zero * s_g when dm is None); bits: q's width.
+    """
+
+    q: np.ndarray
+    d: np.ndarray
+    sc: np.ndarray | None
+    dm: np.ndarray | None
+    mn: np.ndarray | None
+    group: int
+    superblock: int
+    zero: int
+    bits: int
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n]: the low nibbles, then the high nibbles (ggml's order in a block)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def parse_q4_0(b):
+    rows, nb, _ = b.shape
+    return Fields(_nibbles(b[..., 2:18]).reshape(rows, nb * 32), _f16(b[..., 0:2]), None, None, None, 32, 32, 8, 4)
+
+
+def parse_q4_1(b):
+    rows, nb, _ = b.shape
+    return Fields(_nibbles(b[..., 4:20]).reshape(rows, nb * 32), _f16(b[..., 0:2]), None, _f16(b[..., 2:4]), None,
+                  32, 32, 0, 4)
+
+
+def parse_q5_0(b):
+    rows, nb, _ = b.shape
+    qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)  # [rows, nb, 1]: bit j = channel j's bit 4
+    hb = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = _nibbles(b[..., 6:22]) | (hb << 4)
+    return Fields(q.reshape(rows, nb * 32), _f16(b[..., 0:2]), None, None, None, 32, 32, 16, 5)
+
+
+def parse_q8_0(b):
+    rows, nb, _ = b.shape
+    q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return Fields(q.reshape(rows, nb * 32), _f16(b[..., 0:2]), None, None, None, 32, 32, 128, 8)
+
+
+def _k4_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def parse_q4_k(b):
+    rows, nb, _ = b.shape
+    sc, mn = _k4_scale_min(b[..., 4:16])
+    q = _nibbles(b[..., 16:144].reshape(rows, nb, 4, 32))  # 4 x 64 channels
+    dm = -_f16(b[..., 2:4])  # m_g = -dmin * mn_g: the sign flip is exact
+    return Fields(q.reshape(rows, nb * 256), _f16(b[..., 0:2]), sc.reshape(rows, nb * 8).astype(np.int8),
+                  dm, mn.reshape(rows, nb * 8), 32, 256, 0, 4)
+
+
+def parse_q6_k(b):
+    rows, nb, _ = b.shape
+    ql = b[..., 0:128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    ql = (ql & 15).reshape(rows, nb, 8, 32)
+    qh = b[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    qh = (qh & 3).reshape(rows, nb, 8, 32)
+    q = ql | (qh << 4)
+    sc = b[..., 192:208].view(np.int8)
+    return Fields(q.reshape(rows, nb * 256), _f16(b[..., 208:210]), sc.reshape(rows, nb * 16), None, None,
+                  16, 256, 32, 6)
+
+
+# (channels, bytes) per block, as gguf.GGML_QUANT_SIZES
+BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32, 34), "Q4_K": (256, 144),
+               "Q6_K": (256, 210)}
+PARSERS = {"Q4_0": parse_q4_0, "Q4_1": parse_q4_1, "Q5_0": parse_q5_0, "Q8_0": parse_q8_0,
+           "Q4_K": parse_q4_k, "Q6_K": parse_q6_k}
