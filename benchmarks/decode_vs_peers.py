@@ -10,9 +10,14 @@ One run on the machine at hand, one stream, greedy, 128 generated tokens, prefil
 - HF transformers bf16, loaded by transformers' own GGUF loader: tok/s = 127 / (time of a
   128-token `generate` - time of a 1-token `generate`) on the HumanEval/0 prompt (one warm-up
   1-token generate first).
-- mixserve: "eager" (kernels=eager, bf16), "bf16" (kernels=auto), "int4" (rtn, group 128, int4 LM
-  head, kernels=auto). After a 4-token warm-up request, the HumanEval/0 prompt is added, one step
-  runs prefill + first token, and the next 127 steps are timed one by one: tok/s = 127 / their sum.
+- mixserve: "eager" (kernels=eager, bf16, GGUF dequantized), "bf16" (kernels=auto, dequantized),
+  "int4" (rtn, group 128, int4 LM head, kernels=auto), "native" (the GGUF's quantized tensors as
+  stored, kernels=auto; issue 16). After a 4-token warm-up request, the HumanEval/0 prompt is added,
+  one step runs prefill + first token, and the next 127 steps are timed one by one: tok/s = 127 /
+  their sum. Then a 512-token prompt is prefilled in one step, twice; the second is timed
+  (prefill tok/s, beside llama-bench's pp512 from the same llama-bench call as tg128).
+- Resident weights: every distinct weight tensor the engine's model holds (llama.cpp: the file's
+  tensor bytes).
 
 Bytes per token = weight bytes read per decoded token: mixserve, every DenseLinear (out x in x dtype
 size) and Int4Linear (weight_bytes()); llama.cpp, every GGUF tensor but token_embd.weight when
@@ -45,10 +50,12 @@ from mixserve.layers.kernel_choice import amx_permitted
 NEW_TOKENS = 128
 THREADS = 2
 MIXSERVE_CONFIGS = {
-    "eager": dict(kernels="eager", dtype="bfloat16"),
-    "bf16": dict(kernels="auto", dtype="bfloat16"),
+    "eager": dict(kernels="eager", dtype="bfloat16", gguf_weights="dequantize"),
+    "bf16": dict(kernels="auto", dtype="bfloat16", gguf_weights="dequantize"),
     "int4": dict(kernels="auto", dtype="bfloat16", quantization="rtn", quant_group_size=128, quant_lm_head=True),
+    "native": dict(kernels="auto", dtype="bfloat16", gguf_weights="native"),
 }
+PREFILL_TOKENS = 512
 
 
 def gguf_path(model: str) -> Path:
@@ -91,23 +98,30 @@ def bf16_stream_rate() -> float:
     return sum(w.numel() * 2 for w in ws) / statistics.median(times)
 
 
-def gguf_bytes_per_token(path: Path) -> int:
+def gguf_tensor_bytes(path: Path) -> dict[str, int]:
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    return {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    tensors = gguf_tensor_bytes(path)
     if "output.weight" in tensors:  # separate head: the embedding table is only indexed
         tensors.pop("token_embd.weight", None)
     return sum(tensors.values())
 
 
 def run_llama_bench(binary: Path, path: Path) -> dict:
-    out = subprocess.run([str(binary), "-m", str(path), "-p", "0", "-n", str(NEW_TOKENS), "-t", str(THREADS),
-                          "-o", "json"], capture_output=True, text=True)
+    out = subprocess.run([str(binary), "-m", str(path), "-p", str(PREFILL_TOKENS), "-n", str(NEW_TOKENS),
+                          "-t", str(THREADS), "-o", "json"], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"llama-bench exited {out.returncode}: {out.stderr[-500:]}")
-    r = json.loads(out.stdout)[0]
-    return {"tok_s": r["avg_ts"], "stddev_tok_s": r["stddev_ts"], "build_commit": r["build_commit"],
-            "model_type": r["model_type"], "bytes_per_token": gguf_bytes_per_token(path)}
+    runs = json.loads(out.stdout)
+    tg = next(r for r in runs if r["n_gen"] == NEW_TOKENS)
+    pp = next(r for r in runs if r["n_prompt"] == PREFILL_TOKENS)
+    return {"tok_s": tg["avg_ts"], "stddev_tok_s": tg["stddev_ts"], "prefill_tok_s": pp["avg_ts"],
+            "build_commit": tg["build_commit"], "model_type": tg["model_type"],
+            "bytes_per_token": gguf_bytes_per_token(path), "resident_weight_bytes": sum(gguf_tensor_bytes(path).values())}
 
 
 def run_hf(path: Path, prompt: str) -> dict:
@@ -144,6 +158,7 @@ def run_hf(path: Path, prompt: str) -> dict:
 
 
 def mixserve_bytes_per_token(engine) -> int:
+    from mixserve.layers.gguf_linear import GGUFLinear
     from mixserve.layers.linear import DenseLinear, Int4Linear
 
     elt = torch.finfo(engine.dtype).bits // 8
@@ -151,9 +166,35 @@ def mixserve_bytes_per_token(engine) -> int:
     for m in engine.model.modules():
         if isinstance(m, DenseLinear):
             total += m.out_features * m.in_features * elt
-        elif isinstance(m, Int4Linear):
+        elif isinstance(m, (Int4Linear, GGUFLinear)):
             total += m.weight_bytes()
     return total
+
+
+def resident_weight_bytes(model) -> int:
+    """Bytes of every distinct weight tensor the model holds (linears in whatever layout, the
+    embedding, norms, biases; not the RoPE tables or the KV cache the layers are bound to):
+    shared storage counted once."""
+    from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
+
+    seen: dict[int, int] = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and t.numel():
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    for m in model.modules():
+        if m is getattr(model, "rope", None):
+            continue
+        parts = m.parts if isinstance(m, GGUFLinear) else [m.weight_q] if isinstance(m, GGUFEmbedding) else []
+        for p in parts:
+            for name in GGUFWeight.TENSORS:
+                add(getattr(p, name))
+        for name, t in vars(m).items():
+            if name not in ("k_cache", "v_cache") and isinstance(t, torch.Tensor):
+                add(t)
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            add(t)
+    return sum(seen.values())
 
 
 def run_mixserve(model: str, prompt: str, config: dict) -> dict:
@@ -162,7 +203,7 @@ def run_mixserve(model: str, prompt: str, config: dict) -> dict:
     from mixserve.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=model, kv_cache_memory="256MiB", progress=False, speculation="off",
-                                  **config))
+                                  max_num_batched_tokens=max(2048, PREFILL_TOKENS), **config))
     ids = engine.tokenizer.encode(prompt)
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
@@ -175,7 +216,18 @@ def run_mixserve(model: str, prompt: str, config: dict) -> dict:
         engine.step()
         steps.append(time.perf_counter() - t0)
     assert len(steps) == NEW_TOKENS - 1, len(steps)
+    # prefill of PREFILL_TOKENS tokens in one step (as llama-bench's pp512), after one warm-up
+    long_ids = (ids * (PREFILL_TOKENS // len(ids) + 1))[:PREFILL_TOKENS]
+    prefill = []
+    for _ in range(2):
+        engine.add_request(long_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        engine.step()
+        prefill.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
     res = {"tok_s": len(steps) / sum(steps), "median_step_ms": 1e3 * statistics.median(steps),
+           "prefill_tok_s": PREFILL_TOKENS / prefill[-1], "resident_weight_bytes": resident_weight_bytes(engine.model),
            "prompt_tokens": len(ids), "bytes_per_token": mixserve_bytes_per_token(engine),
            "describe": engine.describe(), "load_s": engine.load_time_s, "kernel_choice_s": engine.kernel_choice_s}
     del engine
@@ -185,7 +237,7 @@ def run_mixserve(model: str, prompt: str, config: dict) -> dict:
 
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = ["| model | engine | tok/s | ms/token | median step ms | bytes/token | GB/s | % of bandwidth "
-             "| × llama.cpp | × HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| × llama.cpp | × HF | resident weights | prefill 512 tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peers = {p["engine"]: p["tok_s"] for p in rows if p["model"] == r["model"]}
         gbs = r["tok_s"] * r["bytes_per_token"] / 1e9
@@ -193,7 +245,10 @@ def table(rows: list[dict], bandwidth: float) -> str:
         step = f"{r['median_step_ms']:.1f}" if "median_step_ms" in r else "—"
         lines.append(f"| {r['model']} | {r['engine']} | {r['tok_s']:.1f} | {1e3 / r['tok_s']:.1f} | {step} "
                      f"| {r['bytes_per_token'] / 1e6:.0f} MB | {gbs:.1f} | {gbs * 1e9 / bandwidth:.0%} "
-                     f"| {ratio('llama.cpp')} | {ratio('HF bf16')} |")
+                     f"| {ratio('llama.cpp')} | {ratio('HF bf16')} "
+                     f"| {r['resident_weight_bytes'] / 1e6:.0f} MB | {r['prefill_tok_s']:.0f} |"
+                     if "resident_weight_bytes" in r else
+                     f"| {ratio('llama.cpp')} | {ratio('HF bf16')} | — | — |")
     return "\n".join(lines)
 
 
@@ -202,6 +257,9 @@ def main():
     ap.add_argument("--models", default="qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct",
                     help="comma-separated built-in names or GGUF paths")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: the build script's)")
+    ap.add_argument("--configs", default=",".join(MIXSERVE_CONFIGS),
+                    help=f"mixserve configurations to run (of {', '.join(MIXSERVE_CONFIGS)})")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers row")
     ap.add_argument("--out", default="results/decode_vs_peers.json")
     a = ap.parse_args()
     amx_permitted()  # before any oneDNN call, so HF and F.linear run under the ISA cap mixserve uses
@@ -226,15 +284,24 @@ def main():
         if binary is not None:
             rows.append({"model": name, "engine": "llama.cpp", **run_llama_bench(binary, path)})
             print(f"{name} llama.cpp: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
-        rows.append({"model": name, "engine": "HF bf16", **run_hf(path, prompt)})
-        print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s; modules {rows[-1]['linears']}", flush=True)
-        for cname, cfg in MIXSERVE_CONFIGS.items():
+        if not a.no_hf:
+            rows.append({"model": name, "engine": "HF bf16", **run_hf(path, prompt)})
+            print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s; modules {rows[-1]['linears']}", flush=True)
+        for cname in a.configs.split(","):
+            cfg = MIXSERVE_CONFIGS[cname]
             rows.append({"model": name, "engine": f"mixserve {cname}", **run_mixserve(model, prompt, cfg)})
             print(f"{name} mixserve {cname}: {rows[-1]['tok_s']:.1f} tok/s; {rows[-1]['describe']}", flush=True)
 
     for r in rows:
-        if r["engine"] == "mixserve bf16":
-            hf = next(p["tok_s"] for p in rows if p["model"] == r["model"] and p["engine"] == "HF bf16")
+        peer = {p["engine"]: p for p in rows if p["model"] == r["model"]}
+        if r["engine"] == "mixserve native" and "llama.cpp" in peer:
+            lc = peer["llama.cpp"]
+            notes.append(f"{r['model']} mixserve native: {r['tok_s'] / lc['tok_s']:.2f}x llama.cpp tg{NEW_TOKENS}; "
+                         f"resident weights {r['resident_weight_bytes'] / lc['resident_weight_bytes']:.3f}x the "
+                         f"file's tensor bytes; prefill {PREFILL_TOKENS}: {r['prefill_tok_s']:.0f} tok/s vs "
+                         f"llama.cpp pp{PREFILL_TOKENS} {lc['prefill_tok_s']:.0f}")
+        if r["engine"] == "mixserve bf16" and "HF bf16" in peer:
+            hf = peer["HF bf16"]["tok_s"]
             bound = stream / r["bytes_per_token"]
             notes.append(f"{r['model']} mixserve bf16: {r['tok_s'] / hf:.2f}x HF (target >= 1.3), "
                          f"{r['tok_s'] / bound:.0%} of F.linear's streaming bound {bound:.1f} tok/s (target >= 90%)")

@@ -337,7 +337,7 @@ def cmd_hw_probe(a) -> int:
 
     formats = tuple(f.strip() for f in a.formats.split(",") if f.strip())
     if not formats:
-        raise ValueError("formats: give bf16 and/or int4")
+        raise ValueError("formats: give bf16, int4 and/or gguf")
     if a.repeats < 1:
         raise ValueError(f"repeats: must be >= 1 (got {a.repeats})")
     if not 64 <= a.max_context <= 32768:
@@ -398,7 +398,12 @@ def cmd_plan(a) -> int:
         c = measured["draft_cost"]
         spec = SpecSettings(min(measured["alpha"], 0.999), a.spec_k,
                             a.spec_draft_cost if math.isnan(c) else c, "auto")
-    plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr))
+    gguf = None
+    if r.kind == "gguf":
+        from mixserve.plan.cost_model import gguf_format
+
+        gguf = gguf_format(r.path)
+    plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr), gguf=gguf)
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
     plan["spec_measured"] = measured
     plan["spec_given"] = spec_given
@@ -581,7 +586,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder")
     p.add_argument("--out", default=None, help="profile path (default results/hw-*.json)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="row counts timed per linear")
-    p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4")
+    p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4,gguf (gguf: a GGUF model's "
+                   "quantized tensors as stored, each shape with the file's own block types)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median is kept)")
     p.add_argument("--max-context", type=int, default=2048, help="longest context timed for attention (tokens)")
     p.add_argument("--no-engine-steps", action="store_true",

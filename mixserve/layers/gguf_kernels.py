@@ -4,7 +4,7 @@ Every GGUF weight type mixserve runs natively (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_
 ggml's `ggml-common.h` and the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
 is a set of unsigned integers q (4, 5, 6 or 8 bits) with, per group g of G input channels (32, or
 16 for Q6_K), an affine map w = s_g * q + m_g. The file's integers and scale fields are kept as they
-are, repacked once at load (layers/gguf_linear.py, quant/gguf_blocks.py), per output row:
+are, repacked once at load (layers/gguf_linear.py, layers/gguf_blocks.py), per output row:
 
 - the integers in blocks of 16 groups, in "step" order: the kernel's vector for step i of a block
   holds, in 32-bit lane l, channels l*G + 4i .. l*G + 4i + 3. So each `vpdpbusd` (u8 x s8, four

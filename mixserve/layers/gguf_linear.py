@@ -1,7 +1,7 @@
 """Linears and embeddings on GGUF block-quantized weights as the file stores them.
 
 `GGUFWeight` is one tensor in the native kernel's layout (layers/gguf_kernels.py), built from the
-file's blocks without changing a bit of them (quant/gguf_blocks.py). `GGUFLinear` multiplies by one
+file's blocks without changing a bit of them (layers/gguf_blocks.py). `GGUFLinear` multiplies by one
 or more such parts stacked along the output (a fused q/k/v whose parts have different types);
 `GGUFEmbedding` dequantizes the rows it looks up.
 """
@@ -14,7 +14,7 @@ from torch import nn
 
 from mixserve.layers import gguf_kernels
 from mixserve.layers.int4_dequant import scratch
-from mixserve.quant.gguf_blocks import BLOCK_SIZES, PARSERS
+from mixserve.layers.gguf_blocks import BLOCK_SIZES, PARSERS
 
 NATIVE_TYPES = tuple(PARSERS)
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
@@ -261,7 +261,8 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
     return GGUFWeight.from_blocks(qtype, blocks.reshape(n, -1), k)
 
 
-def _clone(w: GGUFWeight) -> GGUFWeight:
+def clone_weight(w: GGUFWeight) -> GGUFWeight:
+    """A copy of `w` with its own tensors (timing on copies that rotate past the cache)."""
     c = GGUFWeight(w.qtype, w.out_features, w.in_features, {m: getattr(w, m).clone() for m in GGUFWeight.TENSORS},
                    w.group, w.superblock, w.hb, w.zero)
     c.prefetch = w.prefetch
@@ -277,7 +278,7 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
         b.prefetch = p.prefetch
 
     def make():
-        m = GGUFLinear([_clone(b) for b in base], None, lin.dtype)
+        m = GGUFLinear([clone_weight(b) for b in base], None, lin.dtype)
         for name, v in attrs.items():
             setattr(m, name, v)
         return m

@@ -47,7 +47,9 @@ log = logging.getLogger("mixserve")
 CACHE_VERSION = 1
 MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
 EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "torch", "int4_dense_rows": "never",
-         "decode_graph": "eager", "float_head": "plain", "float_head_rows": "never"}
+         "decode_graph": "eager", "float_head": "plain", "float_head_rows": "never",
+         # native GGUF weights have no PyTorch kernel: eager runs ours at every row count, no prefetch
+         "gguf_prefetch": "0", "gguf_dense_rows": "never"}
 
 
 def llc_bytes() -> int:

@@ -105,10 +105,13 @@ def prefill_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
 class WeightFormat:
     """How matmul weights are stored.
 
-    name: "bf16" (2 bytes a weight) or "int4" (AWQ GEMM layout, Lin et al. 2023 §4: packed
+    name: "bf16" (2 bytes a weight), "int4" (AWQ GEMM layout, Lin et al. 2023 §4: packed
     nibbles, 0.5 byte a weight, plus per group of `group_size` input channels an fp16 scale and a
-    4-bit zero point, AutoAWQ's qzeros). `lm_head_int4`: the LM head is int4 too (mixserve keeps
-    it in bf16 by default); embeddings and norms always stay bf16.
+    4-bit zero point, AutoAWQ's qzeros) or "gguf" (a GGUF file's quantized tensors as stored:
+    `bytes_per_weight` over the layers' matmuls, `head_bytes_per_weight` for the LM head and
+    `embed_bytes_per_weight` for the embedding, read from the file by `gguf_format`).
+    `lm_head_int4`: the LM head is int4 too (mixserve keeps it in bf16 by default); embeddings and
+    norms stay bf16 except in "gguf".
     """
 
     name: str = "bf16"
@@ -116,15 +119,23 @@ class WeightFormat:
     scale_bytes: float = 2.0
     zero_bytes: float = 0.5
     lm_head_int4: bool = False
+    bytes_per_weight: float = 0.0
+    head_bytes_per_weight: float = 0.0
+    embed_bytes_per_weight: float = 2.0
+    label: str = ""
 
     def __post_init__(self):
-        if self.name not in ("bf16", "int4"):
-            raise ValueError(f"format: must be bf16 or int4 (got {self.name!r})")
+        if self.name not in ("bf16", "int4", "gguf"):
+            raise ValueError(f"format: must be bf16, int4 or gguf (got {self.name!r})")
         if self.group_size < 1:
             raise ValueError(f"group_size: must be >= 1 (got {self.group_size})")
+        if self.name == "gguf" and not (self.bytes_per_weight > 0 and self.head_bytes_per_weight > 0):
+            raise ValueError("format gguf: needs bytes_per_weight and head_bytes_per_weight (gguf_format)")
 
     def linear_bytes(self, numel: int, in_features: int, quantized: bool = True) -> float:
-        """Bytes of one [out, in] weight with `numel` elements."""
+        """Bytes of one [out, in] weight with `numel` elements (gguf: quantized=False is the head)."""
+        if self.name == "gguf":
+            return numel * (self.bytes_per_weight if quantized else self.head_bytes_per_weight)
         if self.name == "bf16" or not quantized:
             return 2.0 * numel
         groups = numel / self.group_size
@@ -133,6 +144,37 @@ class WeightFormat:
 
 BF16 = WeightFormat("bf16")
 INT4 = WeightFormat("int4", 128)
+
+
+def gguf_format(path) -> WeightFormat:
+    """The "gguf" WeightFormat of a GGUF file: the bytes per weight its tensors take as stored
+    (block sizes per the GGUF spec, `n_bytes` of gguf.GGUFReader), over the layers' 2-D tensors,
+    the LM head (`output.weight`, else the tied `token_embd.weight`) and the embedding; the label
+    names the types by share of bytes (e.g. "Q4_K 68%, Q6_K 32%")."""
+    from collections import Counter
+
+    import gguf
+
+    body = [0, 0]
+    types: Counter = Counter()
+    head = embed = None
+    for t in gguf.GGUFReader(str(path)).tensors:
+        n, b = int(t.n_elements), int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            embed = (n, b)
+        elif t.name == "output.weight":
+            head = (n, b)
+        elif t.name.startswith("blk.") and len(t.shape) == 2:
+            body[0] += n
+            body[1] += b
+            types[t.tensor_type.name] += b
+    if embed is None or not body[0]:
+        raise ValueError(f"{path}: no token_embd.weight or layer matmuls: not a decoder GGUF")
+    head = head or embed
+    total = sum(types.values())
+    label = ", ".join(f"{k} {v / total:.0%}" for k, v in types.most_common())
+    return WeightFormat("gguf", bytes_per_weight=body[1] / body[0], head_bytes_per_weight=head[1] / head[0],
+                        embed_bytes_per_weight=embed[1] / embed[0], label=label)
 
 
 def weight_bytes(cfg: ModelConfig, fmt: WeightFormat = BF16) -> dict:
@@ -145,7 +187,7 @@ def weight_bytes(cfg: ModelConfig, fmt: WeightFormat = BF16) -> dict:
     small = (pc["per_layer"] - layer_linear_params(cfg)) * cfg.num_layers * 2 + pc["final_norm"] * 2
     head = shapes[-1]
     head_bytes = fmt.linear_bytes(head.numel, head.in_features, quantized=fmt.lm_head_int4)
-    embed = 2.0 * pc["embed"]
+    embed = fmt.embed_bytes_per_weight * pc["embed"]
     # a tied bf16 head is the embedding itself; an int4 head of a tied model is a second copy
     lm_head = 0.0 if (cfg.tie_word_embeddings and not (fmt.name == "int4" and fmt.lm_head_int4)) else head_bytes
     return {"embed": embed, "layers": body + small, "lm_head": lm_head, "total": embed + body + small + lm_head,

@@ -65,15 +65,41 @@ def fit_nonneg(X: np.ndarray, y: np.ndarray) -> list[float]:
     return [0.0] * X.shape[1]
 
 
+def gguf_shape_types(path, cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """For each fused matmul shape (cost_model.linear_shapes), the GGUF block types of its parts
+    as the file stores them, [(type, rows), ...] in output order, taken from the layer whose
+    parts weigh most (the files mix types across layers; Q4_K_M's attn_v and ffn_down alternate)."""
+    import gguf
+
+    parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+             "down": ("ffn_down",)}
+    by_name = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    out = {}
+    for shape, kinds in parts.items():
+        best = None
+        for i in range(cfg.num_layers):
+            ts = [by_name[f"blk.{i}.{k}.weight"] for k in kinds]
+            key = (sum(int(t.n_bytes) for t in ts), [(t.tensor_type.name, int(t.shape[1])) for t in ts])
+            best = key if best is None or key[0] > best[0] else best
+        out[shape] = best[1]
+    head = by_name.get("output.weight", by_name["token_embd.weight"])
+    out["lm_head"] = [(head.tensor_type.name, int(head.shape[1]))]
+    return out
+
+
 def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser, head: bool = False,
-                 tied: bool = False):
-    """A linear as the engine would build and run it here: DenseLinear / Int4Linear with the
-    kernel `chooser` picks for its shape (layers/kernel_choice.py); head: an LM head, with its
-    float32 result (`float_out`); tied: a dense head whose plain weight the embedding holds."""
+                 tied: bool = False, gguf_parts: list[tuple[str, int]] | None = None):
+    """A linear as the engine would build and run it here: DenseLinear / Int4Linear / GGUFLinear
+    (random weights of the file's block types, `gguf_parts`) with the kernel `chooser` picks for
+    its shape (layers/kernel_choice.py); head: an LM head, with its float32 result (`float_out`);
+    tied: a dense head whose plain weight the embedding holds."""
+    from mixserve.layers.gguf_linear import GGUFLinear, random_weight
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
     g = torch.Generator().manual_seed(0)
-    if fmt == "bf16":
+    if fmt == "gguf":
+        lin = GGUFLinear([random_weight(t, n, in_f, seed=i) for i, (t, n) in enumerate(gguf_parts)], None, dtype)
+    elif fmt == "bf16":
         lin = DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
     else:
         q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
@@ -93,6 +119,7 @@ def _rotating_timer(lin, nbytes: int):
     1 row, benchmarks/probe_cache.py). Copies share nothing but the kernel choice."""
     import copy
 
+    from mixserve.layers.gguf_linear import GGUFLinear, clone_weight
     from mixserve.layers.kernel_choice import rotating_copies, time_calls
 
     def clone():
@@ -100,6 +127,8 @@ def _rotating_timer(lin, nbytes: int):
         for k, v in list(vars(lin).items()):
             if isinstance(v, torch.Tensor) and not k.startswith("_"):
                 setattr(m, k, v.clone())
+        if isinstance(lin, GGUFLinear):  # its tensors live in the parts
+            m.parts = [clone_weight(p) for p in lin.parts]
         return m
     copies = [lin] + rotating_copies(clone, nbytes)[1:]
 
@@ -129,14 +158,19 @@ def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, r
 
 
 def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, repeats: int,
-                  group_size: int = 128, log=print, chooser=None) -> dict:
+                  group_size: int = 128, log=print, chooser=None, gguf_path=None) -> dict:
     """{format: {shape: {"rows": [...], "seconds": [...], "kernel": ...}}}: median seconds of one
-    call, with the kernel the engine chooses on this machine, weights rotating past the cache."""
+    call, with the kernel the engine chooses on this machine, weights rotating past the cache.
+    Format "gguf" needs `gguf_path`: each shape is timed with that file's block types."""
     from mixserve.layers.kernel_choice import KernelChooser
     from mixserve.layers.linear import int4_supported
 
     chooser = chooser or KernelChooser()
     out = {}
+    if "gguf" in formats:
+        if gguf_path is None:
+            raise ValueError("formats: gguf needs a GGUF model (its block types are what is timed)")
+        gguf_types = gguf_shape_types(gguf_path, cfg)
     # bf16 first: an int4 shape the kernel cannot take reuses its dense time
     for fmt in sorted(set(formats) | ({"bf16"} if "int4" in formats else set())):
         out[fmt] = {}
@@ -146,10 +180,15 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 out[fmt][s.name] = {**out["bf16"][s.name], "note": f"runs dense in the engine: {why}"}
                 log(f"  {fmt:5} {s.name:8} runs dense ({why})")
                 continue
+            gparts = gguf_types[s.name] if fmt == "gguf" else None
             lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
-                               head=s.name == "lm_head", tied=cfg.tie_word_embeddings)
-            kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
-            nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
+                               head=s.name == "lm_head", tied=cfg.tie_word_embeddings, gguf_parts=gparts)
+            if fmt == "gguf":
+                kernel = f"gguf {lin.qtypes}, dense from {lin.dense_rows} rows"
+                nbytes = lin.weight_bytes()
+            else:
+                kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
+                nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
             timer = _rotating_timer(lin, nbytes)
             ts = []
             for r in rows:
@@ -378,10 +417,12 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     rows = sorted(set(rows or DEFAULT_ROWS))
     if not rows or rows[0] < 1:
         raise ValueError("rows: give positive row counts, e.g. 1,2,4,...,512")
-    bad = [f for f in formats if f not in ("bf16", "int4")]
+    bad = [f for f in formats if f not in ("bf16", "int4", "gguf")]
     if bad:
-        raise ValueError(f"formats: unknown {bad}; use bf16 and/or int4")
+        raise ValueError(f"formats: unknown {bad}; use bf16, int4 and/or gguf")
     r = resolve_model(model)
+    if "gguf" in formats and r.kind != "gguf":
+        raise ValueError(f"formats: gguf times a GGUF file's own block types; {model} is not a GGUF model")
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     dtype = default_dtype()
@@ -410,7 +451,8 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         "int4_group_size": 128,
         "machine": {**machine_info(), "device": "cpu"},
         "bandwidth_bytes_per_s": bw,
-        "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser),
+        "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser,
+                                gguf_path=r.path if r.kind == "gguf" else None),
     }
     eng = reference = None
     if engine_steps:

@@ -283,29 +283,36 @@ def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 
     return out
 
 
-def default_variants(spec: SpecSettings, group_size: int = 128) -> list[Variant]:
-    """Baseline (paged, bf16) and one variant per optimization."""
+def default_variants(spec: SpecSettings, group_size: int = 128, gguf: WeightFormat | None = None) -> list[Variant]:
+    """Baseline (paged, bf16) and one variant per optimization; with `gguf` (a GGUF model's
+    cost_model.gguf_format) also its quantized tensors as stored."""
+    extra = [Variant(f"GGUF as stored ({gguf.label})", fmt=gguf)] if gguf is not None else []
     return [
         Variant("baseline (paged, bf16)"),
         Variant("contiguous, reserve max-model-len", allocator="contiguous", reserve="max-model-len"),
         Variant("contiguous, reserve max-tokens", allocator="contiguous", reserve="max-tokens"),
         Variant(f"speculative (alpha {spec.alpha:.3g}, k<={spec.k_max}, c {spec.draft_cost:.3g})", spec=spec),
         Variant(f"AWQ w4 (g{group_size})", fmt=WeightFormat("int4", group_size)),
-    ]
+    ] + extra
 
 
 def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings,
-              spec: SpecSettings, log=print) -> tuple[dict, dict]:
+              spec: SpecSettings, log=print, gguf: WeightFormat | None = None) -> tuple[dict, dict]:
     """Everything `mixserve plan` reports. Returns (JSON-ready dict, {variant name: evaluation
-    with the SimResults under "_offline" / "_at_rate"} for plots)."""
+    with the SimResults under "_offline" / "_at_rate"} for plots). gguf: a GGUF model's format
+    as stored (cost_model.gguf_format), planned as one more variant."""
     from mixserve.plan.cost_model import summary
 
     planner = Planner(cfg, sm, hw, reqs, ps)
     evals = {}
-    variants = default_variants(spec)
+    variants = default_variants(spec, gguf=gguf)
     if isinstance(sm, MeasuredModel) and "int4" not in sm.tables:
         log("note: the profile has no int4 timings (hw probe --formats bf16): AWQ is left out of the plan")
         variants = [v for v in variants if v.fmt.name != "int4"]
+    if isinstance(sm, MeasuredModel) and gguf is not None and "gguf" not in sm.tables:
+        log("note: the profile has no gguf timings (hw probe --formats bf16,int4,gguf): the GGUF-as-stored "
+            "variant is left out of the plan")
+        variants = [v for v in variants if v.fmt.name != "gguf"]
     for v in variants:
         log(f"simulating: {v.name}")
         evals[v.name] = planner.evaluate(v)

@@ -239,7 +239,8 @@ class MeasuredModel(StepModel):
             raise ValueError(f"block_size: must be >= 1 (got {self.block_size})")
 
     def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
-        name = fmt.name if (shape_name != "lm_head" or fmt.lm_head_int4) else "bf16"
+        # a GGUF's head is stored quantized like the rest (its own table row)
+        name = fmt.name if (shape_name != "lm_head" or fmt.lm_head_int4 or fmt.name == "gguf") else "bf16"
         if name not in self.tables:
             raise ValueError(f"format: the profile has no {name} measurements (measured: {sorted(self.tables)})")
         return self.tables[name][shape_name](rows)

@@ -34,7 +34,7 @@ def run_compare(llm, hf, prompt_ids):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path):
-    return LLM(smollm2_path, dtype="float32", kv_cache_memory="256MiB", progress=False)
+    return LLM(smollm2_path, dtype="float32", kv_cache_memory="256MiB", progress=False, gguf_weights="dequantize")
 
 
 def test_smollm2_greedy_matches_hf(smol, smollm2_path):
@@ -52,12 +52,14 @@ def test_smollm2_fast_path_equals_eager(smol, smollm2_path, fast):
     the dynamic row count), token for token up to near-ties of the eager logits."""
     from mixserve.data.datasets import load_humaneval
 
-    eager = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels="eager")
+    eager = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels="eager",
+                gguf_weights="dequantize")
     if fast == "auto":
         llm = smol
         assert any(c.source != "override" for c in smol.engine.kernels.choices.values())
     else:
-        llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels=fast)
+        llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels=fast,
+                  gguf_weights="dequantize")
     ids = [smol.tokenizer.encode(r.prompt)[:96] for r in load_humaneval(num_prompts=8)]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ties = 0
@@ -94,7 +96,7 @@ def test_smollm2_stop_string_spanning_tokens(smol):
 def test_qwen05_humaneval_greedy_matches_hf(qwen05_path):
     from mixserve.data.datasets import load_humaneval
 
-    llm = LLM(qwen05_path, dtype="float32", kv_cache_memory="256MiB", progress=False)
+    llm = LLM(qwen05_path, dtype="float32", kv_cache_memory="256MiB", progress=False, gguf_weights="dequantize")
     reqs = load_humaneval(num_prompts=2)
     ids = [llm.tokenizer.encode(r.prompt) for r in reqs]
     run_compare(llm, hf_model(qwen05_path), ids)
@@ -104,7 +106,7 @@ def test_qwen05_eos_ids(qwen05_path):
     from mixserve.models.config import ModelConfig
     from mixserve.models.weights import convert_gguf
 
-    cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False))
+    cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False, gguf_weights="dequantize"))
     assert set(cfg.eos_token_ids) == {151645, 151643}
     assert not cfg.tie_word_embeddings and cfg.attention_bias
 
@@ -133,7 +135,7 @@ def test_smollm2_streamed_pieces_join_to_text(smol):
 
 def test_smollm2_streaming_with_speculation(smollm2_path):
     llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", draft_model="ngram",
-              num_speculative_tokens=4, speculation="fixed", progress=False)
+              num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize")
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
     joined, final = _stream(llm.engine, prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert joined == final.text and final.metrics["spec_accepted"] > 0

@@ -1,0 +1,262 @@
+"""GGUF weights run as stored (issue 16): the native layout's effective weights equal the `gguf`
+package's dequantization bit for bit for every block type, the int8-activation kernel equals
+those weights times the int8-quantized activations, and a GGUF model loads natively with the same
+tensors as the dequantized load. Random blocks here; the real files are in tests/integration."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from mixserve.layers import gguf_kernels
+from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
+from mixserve.layers.gguf_blocks import BLOCK_SIZES
+
+pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="native GGUF kernel needs AVX512-VNNI")
+
+TYPES = tuple(BLOCK_SIZES)
+# (where the fp16 fields sit in a block): random bytes there could be NaN or inf
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+# about |integer x sub-scale| of a typical weight per type: random fp16 scales divided by it give
+# weights of ~0.05, so a model of them keeps its activations and logits of order one
+MAGNITUDE = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q8_0": 64, "Q4_K": 256, "Q6_K": 1000}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row bytes] of `qtype`: every integer and scale bit random, the fp16 fields finite
+    and of both signs."""
+    bs, ts = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
+    for off in HALVES[qtype]:
+        h = (rng.standard_normal((n, k // bs)) * 0.05 / MAGNITUDE[qtype]).astype(np.float16)
+        b[..., off:off + 2] = h[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+def reference(qtype: str, blocks: np.ndarray, k: int) -> torch.Tensor:
+    arr = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.asarray(arr, np.float32).reshape(blocks.shape[0], k).copy())
+
+
+def shapes(qtype):
+    # K: whole 16-group blocks and a tail block; N odd (the kernel takes rows in pairs)
+    return [(37, 256 * 3), (8, 512)] if qtype.endswith("_K") else [(37, 32 * 20), (5, 512), (3, 32)]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_effective_weights_equal_gguf_dequantization_exactly(qtype):
+    for n, k in shapes(qtype):
+        blocks = random_blocks(qtype, n, k)
+        ref = reference(qtype, blocks, k)
+        w = GGUFWeight.from_blocks(qtype, blocks, k)
+        eff = w.dequantize(torch.float32)
+        # every d * sc and dm * mn is exact in float32 and w = fma(q, s, m) rounds once, as gguf's
+        # float32 arithmetic does: equal bit for bit, not within an ulp
+        assert torch.equal(eff, ref), (qtype, n, k, (eff - ref).abs().max())
+        assert torch.equal(w.dequantize(torch.bfloat16), ref.to(torch.bfloat16))
+        rows = torch.tensor([n - 1, 0, n // 2, n - 1])
+        assert torch.equal(w.dequantize(torch.float32, rows=rows), ref[rows])
+        # the layout keeps the file's bits: resident bytes within 3% of the file's (hi-bit masks of
+        # a tail block are padded to 64 lanes)
+        assert blocks.nbytes <= w.nbytes() <= 1.03 * blocks.nbytes + 64 * n
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x quantized to int8 per 32 channels (scale max|x| / 127, round half to even), times w^T in
+    float64: what the kernel computes."""
+    xr = x.double().view(x.shape[0], -1, 32)
+    d = xr.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(xr / torch.where(d > 0, d, 1)), 0)
+    return (q * d).view_as(x) @ w.double().t()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_equals_effective_weights_times_int8_activations(qtype):
+    n, k = shapes(qtype)[0]
+    w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed=1), k)
+    ref_w = w.dequantize(torch.float32)
+    torch.manual_seed(0)
+    for rows in (1, 2, 5):  # the kernel takes activation rows four at a time
+        x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)  # uneven channels, as real activations
+        for pf in (0, 4):  # prefetching must not change a value
+            w.prefetch = pf
+            y = w.matmul(x)
+            ref = int8_reference(x, ref_w)
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6, (qtype, rows, pf)
+        exact = x.double() @ ref_w.double().t()
+        # three int8 levels: each keeps ~7 more bits of the activations
+        e1 = (w.matmul(x).double() - exact).abs().max()
+        e3 = (w.matmul(x, levels=3).double() - exact).abs().max()
+        assert e3 < 1e-4 * exact.abs().max() and e3 < e1 / 100, (qtype, e1, e3)
+
+
+def test_linear_parts_dense_switch_and_float_head():
+    k = 512
+    parts = [GGUFWeight.from_blocks(t, random_blocks(t, n, k, seed=i), k)
+             for i, (t, n) in enumerate([("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 16)])]
+    bias = torch.randn(112)
+    lin = GGUFLinear(parts, bias, torch.float32)
+    assert lin.out_features == 112 and lin.qtypes == "Q4_K+Q6_K+Q8_0"
+    dense = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(lin.dense_weight(), dense)
+    x = torch.randn(3, 7, k)
+    y = lin(x)
+    ref = (int8_reference(x.reshape(-1, k), dense) + bias.double()).view(3, 7, -1)
+    assert y.shape == (3, 7, 112) and (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    lin.dense_rows = 4  # 21 rows: dequantize + GEMM, no activation rounding
+    assert torch.allclose(lin(x), torch.nn.functional.linear(x, dense, bias), rtol=1e-5, atol=1e-3)
+    assert lin(torch.randn(0, k)).shape == (0, 112)
+    lin.dense_rows, lin.float_out = None, True
+    exact = x.reshape(-1, k).double() @ dense.double().t() + bias.double()
+    for switch in (None, 1):  # three-level kernel; float32 dequantization in slices
+        lin.float_dense_rows = switch
+        out = lin(x)
+        assert out.dtype == torch.float32 and (out.reshape(-1, 112).double() - exact).abs().max() < 1e-5 * exact.abs().max()
+
+
+def test_embedding_rows_are_the_dequantized_rows():
+    w = GGUFWeight.from_blocks("Q5_0", random_blocks("Q5_0", 50, 96), 96)
+    emb = GGUFEmbedding(w, torch.bfloat16)
+    ids = torch.tensor([[3, 49, 0], [3, 3, 7]])
+    out = emb(ids)
+    assert out.shape == (2, 3, 96) and out.dtype == torch.bfloat16
+    assert torch.equal(out, w.dequantize()[ids].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([50]))
+
+
+def test_unknown_type_and_bad_row_size_are_refused():
+    with pytest.raises(ValueError, match="no native kernel"):
+        GGUFWeight.from_blocks("Q5_K", np.zeros((2, 176), np.uint8), 256)
+    with pytest.raises(ValueError, match="bytes per row"):
+        GGUFWeight.from_blocks("Q8_0", np.zeros((2, 35), np.uint8), 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# a tiny llama GGUF (Q/K rows permuted as llama.cpp stores them, a tied head) loaded both ways
+# ----------------------------------------------------------------------------------------------
+
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 320, 2
+LAYER_TYPES = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q5_0",
+               "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_0"}
+
+
+def write_tiny_gguf(path):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_context_length(256)
+    w.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    shape = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
+             "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+             "ffn_down": (HIDDEN, INTER)}
+
+    def quant(name, qtype, n, k, seed):
+        w.add_tensor(name, random_blocks(qtype, n, k, seed), raw_dtype=gguf.GGMLQuantizationType[qtype])
+    quant("token_embd.weight", "Q8_0", VOCAB, HIDDEN, 99)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for i in range(LAYERS):
+        for j, (kind, qtype) in enumerate(LAYER_TYPES.items()):
+            quant(f"blk.{i}.{kind}.weight", qtype, *shape[kind], 10 * i + j)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+def test_native_read_holds_the_dequantized_tensors(tiny_gguf):
+    from mixserve.models.weights import dequantize_gguf, read_gguf_native
+
+    cfg, _, native, types = read_gguf_native(tiny_gguf, progress=False)
+    _, _, ref, = dequantize_gguf(tiny_gguf, progress=False)[:3]
+    assert set(native) == set(ref)
+    assert types["Q4_K"][0] == LAYERS and types["F32"][0] == 2 * LAYERS + 1
+    for name, t in native.items():
+        if isinstance(t, GGUFWeight):  # q/k rows reordered as dequantize_gguf reorders them
+            assert torch.equal(t.dequantize(), ref[name]), name
+        else:
+            assert torch.equal(t, ref[name]), name
+    assert sum(isinstance(t, GGUFWeight) for t in native.values()) == 1 + 7 * LAYERS
+
+
+def test_engine_native_matches_dequantized_load(tiny_gguf):
+    from mixserve import SamplingParams
+    from mixserve.engine.args import EngineArgs
+    from mixserve.engine.llm_engine import LLMEngine
+
+    ids = np.random.default_rng(5).integers(2, VOCAB, 40).tolist()
+    scores, models = {}, {}
+    for mode in ("native", "dequantize"):
+        eng = LLMEngine(EngineArgs(model=str(tiny_gguf), dtype="float32", kv_cache_memory="2MiB", progress=False,
+                                   gguf_weights=mode, kernels="eager"))
+        eng.add_request(ids, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0, ignore_eos=True))
+        outs = []
+        while eng.has_unfinished():
+            outs += [o for o in eng.step() if o.finished]
+        scores[mode] = torch.tensor([lp.logprob for lp in outs[0].prompt_logprobs])
+        models[mode] = eng.model
+        assert len(outs[0].token_ids) == 3
+    m = models["native"]
+    assert isinstance(m.embed_tokens, GGUFEmbedding) and isinstance(m.lm_head, GGUFLinear)
+    assert m.lm_head.parts[0] is m.embed_tokens.weight_q  # the tied head shares the embedding's blocks
+    assert [type(p).__name__ for p in m.layers[0].qkv_proj.parts] == ["GGUFWeight"] * 3
+    assert m.layers[0].qkv_proj.qtypes == "Q4_K+Q6_K+Q8_0" and m.layers[0].gate_up_proj.qtypes == "Q4_1"
+    # int8 activations are the one numeric change: prompt logprobs agree closely
+    diff = (scores["native"] - scores["dequantize"]).abs()
+    assert diff.max() < 0.05, (diff.max(), scores["dequantize"].abs().max())
+
+
+def test_gguf_weights_setting_is_checked(tiny_gguf):
+    from mixserve.engine.args import EngineArgs
+    from mixserve.models.loader import use_native_gguf
+
+    with pytest.raises(ValueError, match="gguf_weights"):
+        EngineArgs(model=str(tiny_gguf), gguf_weights="int4").validate()
+    with pytest.raises(ValueError, match="dequantize"):
+        EngineArgs(model=str(tiny_gguf), gguf_weights="native", quantization="rtn").validate()
+    assert use_native_gguf(None, None) and not use_native_gguf(None, "rtn")
+    assert not use_native_gguf("dequantize", None)
+
+
+def test_planner_counts_the_files_bytes(tiny_gguf):
+    from mixserve.plan.cost_model import gguf_format, weight_bytes
+    from mixserve.plan.planner import default_variants
+    from mixserve.models.weights import read_gguf_native
+    from mixserve.plan.simulator import SpecSettings
+    from mixserve.plan.step_time import Accelerator, RooflineModel
+
+    cfg = read_gguf_native(tiny_gguf, progress=False)[0]
+    fmt = gguf_format(tiny_gguf)
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    layer_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    embed_bytes = next(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
+    wb = weight_bytes(cfg, fmt)
+    norms = (2 * cfg.hidden_size * cfg.num_layers + cfg.hidden_size) * 2  # counted at 2 bytes each
+    # a decode step reads every layer matmul as stored and the tied head (the embedding's blocks)
+    assert wb["decode_read"] == pytest.approx(layer_bytes + embed_bytes + norms)
+    assert wb["embed"] == pytest.approx(embed_bytes) and wb["lm_head"] == 0.0
+    assert "Q4_1" in fmt.label
+    names = [v.name for v in default_variants(SpecSettings(0.6, 4, 0.1, "auto"), gguf=fmt)]
+    assert names[-1].startswith("GGUF as stored")
+    am = RooflineModel(cfg, Accelerator("x", 1e14, 1e11, 80e9, "test"))
+    # bandwidth-bound at one row: the time is the stored bytes over the bandwidth
+    s = next(s for s in am.shapes if s.name == "gate_up")
+    assert am.linear_time("gate_up", 1, fmt) == pytest.approx((s.numel * fmt.bytes_per_weight + 2 * (s.in_features
+                                                               + s.out_features)) / 1e11)
