@@ -49,3 +49,25 @@ def build_extension(name: str, source: str, functions: list[str]):
             mod = None
     _built[name] = mod
     return mod
+
+
+# C++ shared by the int8-activation kernels (layers/int4_vnni.py, layers/gguf_kernels.py): one
+# activation row's int8 quantization with one scale, max |x| / 127, per B channels (round half to
+# even); `rest`, when given, receives what the rounding left over (the next level's input)
+QUANTIZE_ROW_SRC = r"""
+template <int B>
+static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
+  for (int64_t c = 0; c < K / B; ++c) {
+    const float* xc = xr + c * B;
+    float amax = 0.f;
+    for (int i = 0; i < B; ++i) amax = std::max(amax, std::fabs(xc[i]));
+    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
+    d[c] = dc;
+    for (int i = 0; i < B; ++i) {
+      const float qi = std::nearbyint(xc[i] * inv);
+      q[c * B + i] = (int8_t)qi;
+      if (rest) rest[c * B + i] = xc[i] - qi * dc;
+    }
+  }
+}
+"""

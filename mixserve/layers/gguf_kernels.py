@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.layers.cpp_build import build_extension
+from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
 
 
 _SRC = r"""
@@ -243,21 +243,7 @@ bool available() {
 #endif
 }
 
-// one activation row's int8 quantization per 32 channels; rest (if given) gets what it left
-static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
-  for (int64_t c = 0; c < K / 32; ++c) {
-    const float* xc = xr + c * 32;
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xc[i]));
-    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
-    d[c] = dc;
-    for (int i = 0; i < 32; ++i) {
-      const float qi = std::nearbyint(xc[i] * inv);
-      q[c * 32 + i] = (int8_t)qi;
-      if (rest) rest[c * 32 + i] = xc[i] - qi * dc;
-    }
-  }
-}
+@QUANTIZE_ROW@
 
 // x float [R, K] -> y float [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
@@ -280,7 +266,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
     for (int64_t i = 0; i < levels; ++i) {
       const int64_t row = levels * r + i;
       float* left = rest.data() + (i % 2) * K;
-      quantize_row(src, K, xq.data(), dx.data(), i + 1 < levels ? left : nullptr);
+      quantize_row<32>(src, K, xq.data(), dx.data(), i + 1 < levels ? left : nullptr);
       src = left;
       int8_t* out = xp.data() + row * xrow;
       for (int64_t b = 0; b < nb; ++b) {
@@ -392,14 +378,14 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
   lib.impl("gguf_matmul", &matmul);
   lib.impl("gguf_dequant", &dequant);
 }
-"""
+""".replace("@QUANTIZE_ROW@", QUANTIZE_ROW_SRC)
 
 _state: dict = {}
 
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_gguf_v3", _SRC, ["available"])
+        mod = build_extension("mixserve_gguf_v4", _SRC, ["available"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::gguf_matmul")(

@@ -247,18 +247,28 @@ class GGUFEmbedding(nn.Module):
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
 
-# the fp16 scale fields of each block type (bytes), set to a finite value in random test weights
+# where each block type's fp16 fields sit (bytes), and about |integer x sub-scale| of a typical
+# weight: random fp16 scales divided by it give weights of ~0.05 (a model of them keeps its
+# activations and logits of order one)
 _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+_MAGNITUDE = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q8_0": 64, "Q4_K": 256, "Q6_K": 1000}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row bytes] of `qtype` blocks for n rows of k channels: every integer and scale bit
+    random, the fp16 fields finite, of both signs, scaled for weights of ~0.05 (timing and tests)."""
+    bs, ts = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
+    for off in _HALF_FIELDS[qtype]:
+        h = (rng.standard_normal((n, k // bs)) * 0.05 / _MAGNITUDE[qtype]).astype(np.float16)
+        b[..., off:off + 2] = h[..., None].view(np.uint8)
+    return b.reshape(n, -1)
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
-    """A GGUFWeight [n, k] of `qtype` from random blocks (scales set to 1e-3): for timing and tests."""
-    bs, ts = BLOCK_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
-    for off in _HALF_FIELDS[qtype]:
-        blocks[..., off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
-    return GGUFWeight.from_blocks(qtype, blocks.reshape(n, -1), k)
+    """A GGUFWeight [n, k] of `qtype` from `random_blocks`."""
+    return GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed), k)
 
 
 def clone_weight(w: GGUFWeight) -> GGUFWeight:
@@ -313,10 +323,9 @@ GGUF_ROWS = (1, 4, 16, 32, 64, 128, 512)
 
 
 def dense_switch_candidates(lin: GGUFLinear) -> dict:
-    """Timers for the `gguf_dense_rows` choice (linear.switch_candidates over GGUF_ROWS): the
+    """Timers for the `gguf_dense_rows` choice (kernel_choice.switch_candidates over GGUF_ROWS): the
     native kernel against dequantize + the dense GEMM in the compute dtype."""
-    from mixserve.layers.kernel_choice import time_calls
-    from mixserve.layers.linear import switch_candidates
+    from mixserve.layers.kernel_choice import switch_candidates, time_calls
 
     mods: list = []
 
@@ -331,9 +340,8 @@ def dense_switch_candidates(lin: GGUFLinear) -> dict:
 
 def float_head_candidates(lin: GGUFLinear) -> dict:
     """Timers for a GGUF LM head's float32 switch (`float_head_rows`): three-level int8 kernel
-    against float32 dequantization + GEMM, over linear.FLOAT_HEAD_ROWS."""
-    from mixserve.layers.kernel_choice import time_calls
-    from mixserve.layers.linear import FLOAT_HEAD_ROWS, switch_candidates
+    against float32 dequantization + GEMM, over kernel_choice.FLOAT_HEAD_ROWS."""
+    from mixserve.layers.kernel_choice import FLOAT_HEAD_ROWS, switch_candidates, time_calls
 
     mods: list = []
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.layers.cpp_build import build_extension
+from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
 
 CHUNK = 128  # input channels per 64-byte chunk (and per activation scale)
 
@@ -108,25 +108,11 @@ bool available() {
 #endif
 }
 
+@QUANTIZE_ROW@
 // x float [R, K] -> y float [R, N]. levels > 1: each activation row goes in as `levels` int8 rows,
 // its quantization, then the quantization of what that left over, and so on (rows
 // levels * r + i, so they share every weight load), whose sum keeps about 7 more bits per level;
 // the zero-point term uses x once, as is
-static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
-  for (int64_t c = 0; c < K / 128; ++c) {
-    const float* xc = xr + c * 128;
-    float amax = 0.f;
-    for (int i = 0; i < 128; ++i) amax = std::max(amax, std::fabs(xc[i]));
-    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
-    d[c] = dc;
-    for (int i = 0; i < 128; ++i) {
-      const float qi = std::nearbyint(xc[i] * inv);
-      q[c * 128 + i] = (int8_t)qi;
-      if (rest) rest[c * 128 + i] = xc[i] - qi * dc;
-    }
-  }
-}
-
 torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::Tensor m, int64_t G, int64_t levels) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [R, K], contiguous");
   TORCH_CHECK(w.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
@@ -145,7 +131,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor w, torch::Tensor s, torch::T
     const float* src = xp + r * K;
     for (int64_t i = 0; i < L; ++i) {
       float* left = rest.data() + (i % 2) * K;
-      quantize_row(src, K, xq.data() + (L * r + i) * K, dx.data() + (L * r + i) * nc, i + 1 < L ? left : nullptr);
+      quantize_row<128>(src, K, xq.data() + (L * r + i) * K, dx.data() + (L * r + i) * nc, i + 1 < L ? left : nullptr);
       src = left;
     }
     for (int64_t k = 0; k < K; ++k) xs[L * r * ng + k / G] += xp[r * K + k];
@@ -262,14 +248,14 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
   lib.impl("int4_vnni_matmul", &matmul);
   lib.impl("int4_vnni_linear_f32", &linear_f32);
 }
-"""
+""".replace("@QUANTIZE_ROW@", QUANTIZE_ROW_SRC)
 
 _state: dict = {}
 
 
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_int4_vnni_v8", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v9", _SRC, ["available", "dequant"])
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(

@@ -303,3 +303,34 @@ def time_calls(copies: list, call: Callable[[object], object], min_passes: int =
 def geomean(xs) -> float:
     xs = list(xs)
     return float(torch.tensor(xs, dtype=torch.float64).log().mean().exp())
+
+
+# Row counts at which an LM head's two float32 paths are timed to place their switch
+FLOAT_HEAD_ROWS = (1, 2, 4, 8, 16, 64)
+
+
+def switch_candidates(rows: tuple[int, ...], time_at) -> dict:
+    """Timers for a switch point between a few-row path and a many-row path: candidate "never"
+    (the few-row path at every row count) and "R" for R in `rows` (the many-row path from R rows
+    on), each the geometric mean over `rows` of its seconds per call there. `time_at(r, many)`
+    times one path at r rows; both are timed once per row count, and once the many-row path has
+    won at two row counts in a row the few-row path is not timed further up (it only loses more,
+    and can take seconds a call)."""
+    timed: dict[int, tuple[float, float]] = {}
+
+    def measure():
+        if timed:
+            return timed
+        many_ahead = 0
+        for r in rows:
+            few = float("inf") if many_ahead >= 2 else time_at(r, False)
+            many = time_at(r, True)
+            many_ahead = many_ahead + 1 if many < few else 0
+            timed[r] = (few, many)
+        return timed
+
+    def cost(threshold):
+        return lambda: geomean(t[1] if threshold is not None and r >= threshold else t[0]
+                               for r, t in measure().items())
+
+    return {"never": cost(None), **{str(r): cost(r) for r in rows}}

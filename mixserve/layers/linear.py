@@ -9,7 +9,8 @@ from torch import nn
 
 from mixserve.layers import bf16_gemv, gguf_linear, graph_ops, int4_vnni
 from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
-from mixserve.layers.kernel_choice import geomean, rotating_copies, time_calls
+from mixserve.layers.kernel_choice import (FLOAT_HEAD_ROWS, geomean, rotating_copies, switch_candidates,
+                                           time_calls)
 
 
 # read once: the query is not traceable, and a decode graph would break at it
@@ -390,33 +391,6 @@ def int4_kernel_candidates(out_features: int, in_features: int, group_size: int,
     return cands
 
 
-def switch_candidates(rows: tuple[int, ...], time_at) -> dict:
-    """Timers for a switch point between a few-row path and a many-row path: candidate "never"
-    (the few-row path at every row count) and "R" for R in `rows` (the many-row path from R rows
-    on), each the geometric mean over `rows` of its seconds per call there. `time_at(r, many)`
-    times one path at r rows; both are timed once per row count, and once the many-row path has
-    won at two row counts in a row the few-row path is not timed further up (it only loses more,
-    and can take seconds a call)."""
-    timed: dict[int, tuple[float, float]] = {}
-
-    def measure():
-        if timed:
-            return timed
-        many_ahead = 0
-        for r in rows:
-            few = float("inf") if many_ahead >= 2 else time_at(r, False)
-            many = time_at(r, True)
-            many_ahead = many_ahead + 1 if many < few else 0
-            timed[r] = (few, many)
-        return timed
-
-    def cost(threshold):
-        return lambda: geomean(t[1] if threshold is not None and r >= threshold else t[0]
-                               for r, t in measure().items())
-
-    return {"never": cost(None), **{str(r): cost(r) for r in rows}}
-
-
 def int4_candidates(out_features: int, in_features: int, group_size: int, dtype: torch.dtype,
                     kernel: str = "torch") -> dict:
     """Timers for kernel_choice's `int4_dense_rows` choice (switch_candidates over INT4_ROWS):
@@ -431,9 +405,6 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
         return time_calls(mods, lambda m: m(x))
     return switch_candidates(INT4_ROWS, time_at)
 
-
-# Row counts at which an LM head's two float32 paths are timed to place their switch
-FLOAT_HEAD_ROWS = (1, 2, 4, 8, 16, 64)
 
 
 def float_dense_head_candidates(out_features: int, in_features: int, keep_plain: bool = False) -> dict:

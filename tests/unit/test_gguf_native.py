@@ -8,31 +8,12 @@ import pytest
 import torch
 
 from mixserve.layers import gguf_kernels
-from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
+from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight, random_blocks
 from mixserve.layers.gguf_blocks import BLOCK_SIZES
 
 pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="native GGUF kernel needs AVX512-VNNI")
 
 TYPES = tuple(BLOCK_SIZES)
-# (where the fp16 fields sit in a block): random bytes there could be NaN or inf
-HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-
-
-# about |integer x sub-scale| of a typical weight per type: random fp16 scales divided by it give
-# weights of ~0.05, so a model of them keeps its activations and logits of order one
-MAGNITUDE = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q8_0": 64, "Q4_K": 256, "Q6_K": 1000}
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [n, row bytes] of `qtype`: every integer and scale bit random, the fp16 fields finite
-    and of both signs."""
-    bs, ts = BLOCK_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    b = rng.integers(0, 256, (n, k // bs, ts), dtype=np.uint8)
-    for off in HALVES[qtype]:
-        h = (rng.standard_normal((n, k // bs)) * 0.05 / MAGNITUDE[qtype]).astype(np.float16)
-        b[..., off:off + 2] = h[..., None].view(np.uint8)
-    return b.reshape(n, -1)
 
 
 def reference(qtype: str, blocks: np.ndarray, k: int) -> torch.Tensor:
@@ -260,3 +241,21 @@ def test_planner_counts_the_files_bytes(tiny_gguf):
     s = next(s for s in am.shapes if s.name == "gate_up")
     assert am.linear_time("gate_up", 1, fmt) == pytest.approx((s.numel * fmt.bytes_per_weight + 2 * (s.in_features
                                                                + s.out_features)) / 1e11)
+
+
+def test_hw_probe_times_the_files_own_block_types(tiny_gguf):
+    from mixserve.models.weights import read_gguf_native
+    from mixserve.plan.hardware import gguf_shape_types, probe_linears
+
+    cfg = read_gguf_native(tiny_gguf, progress=False)[0]
+    types = gguf_shape_types(tiny_gguf, cfg)
+    assert types["qkv"] == [("Q4_K", HIDDEN), ("Q6_K", HIDDEN // 2), ("Q8_0", HIDDEN // 2)]
+    assert types["lm_head"] == [("Q8_0", VOCAB)]  # tied: the embedding's blocks
+    out = probe_linears(cfg, [1, 4], ["gguf"], torch.float32, repeats=1, log=lambda m: None,
+                        gguf_path=tiny_gguf)
+    assert set(out) == {"gguf"} and set(out["gguf"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    for name, t in out["gguf"].items():
+        assert t["rows"] == [1, 4] and all(s > 0 for s in t["seconds"]), name
+        assert t["kernel"].startswith("gguf ")
+    with pytest.raises(ValueError, match="GGUF"):
+        probe_linears(cfg, [1], ["gguf"], torch.float32, repeats=1, log=lambda m: None)
