@@ -17,6 +17,7 @@ from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_threads,
                                            parse_overrides)
 from mixserve.kv.contiguous import ContiguousBlockManager
+from mixserve.layers import gguf_linear
 from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
@@ -178,6 +179,9 @@ class LLMEngine:
         q = getattr(self.model, "quant", None)
         if q is None and getattr(self.model, "weight_format", None):
             text += "; " + self.model.weight_format
+        per_type = gguf_linear.summarize(self.model)
+        if per_type:
+            text += " [" + per_type + "]"
         if q is not None:
             text += f"; weights int4 ({q.method}, group {q.group_size})"
             if q.dense:

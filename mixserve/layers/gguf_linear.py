@@ -368,3 +368,32 @@ def choose(lin: GGUFLinear, chooser) -> None:
     else:
         pick = chooser.choose(f"gguf_dense_rows/{dt}/{shape}", dense_switch_candidates(lin), "never")
         lin.dense_rows = None if pick == "never" else int(pick)
+
+
+def summarize(model: nn.Module) -> str | None:
+    """Per GGUF block type in `model`: how many tensors, the kernel and the measured choices, e.g.
+    "Q4_K x140: int8-activation kernel below 32 rows (prefetch 2-8 row pairs), dense GEMM from
+    there"; None when the model holds no native GGUF weight."""
+    per: dict[str, dict] = {}
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            for p in m.parts:
+                d = per.setdefault(p.qtype, {"n": 0, "pf": set(), "rows": set(), "head": False})
+                d["n"] += 1
+                d["pf"].add(p.prefetch)
+                d["rows"].add(m.float_dense_rows if m.float_out else m.dense_rows)
+                d["head"] |= m.float_out
+    if not per:
+        return None
+
+    def span(v):
+        v = sorted(v)
+        return str(v[0]) if len(v) == 1 else f"{v[0]}-{v[-1]}"
+    out = []
+    for t, d in sorted(per.items()):
+        rows = sorted({r for r in d["rows"] if r is not None})
+        where = (f"below {span(rows)} rows, dense GEMM from there" if rows and None not in d["rows"]
+                 else "at every row count" if not rows else f"below {span(rows)} rows or at every row count")
+        out.append(f"{t} x{d['n']}{' (with the LM head)' if d['head'] else ''}: int8-activation kernel {where} "
+                   f"(prefetch {span(d['pf'])} row pairs)")
+    return "; ".join(out)

@@ -193,6 +193,10 @@ def test_engine_native_matches_dequantized_load(tiny_gguf):
             outs += [o for o in eng.step() if o.finished]
         scores[mode] = torch.tensor([lp.logprob for lp in outs[0].prompt_logprobs])
         models[mode] = eng.model
+        if mode == "native":  # the start-up line names each block type's kernel
+            text = eng.describe()
+            assert "GGUF weights native" in text and "Q6_K x2: int8-activation kernel at every row count" in text
+            assert "Q8_0 x3 (with the LM head)" in text
         assert len(outs[0].token_ids) == 3
     m = models["native"]
     assert isinstance(m.embed_tokens, GGUFEmbedding) and isinstance(m.lm_head, GGUFLinear)
