@@ -1,8 +1,9 @@
 """The native GGUF kernel against the int4 x int8 VNNI kernel (RTN g128) on the models' own tensors.
 
 For each (model, tensor kind, GGUF type) of --models, one real tensor from the file is repacked into
-the native layout (layers/gguf_linear.py) and timed as the kernel chooser times (copies rotating
-past the last-level cache, median of passes) at 1, 2, 4 and 8 rows, with the int4 x int8 VNNI kernel
+the native layout (layers/gguf_linear.py), given the prefetch distance the engine picks here, and timed
+as the kernel chooser times (copies rotating past the last-level cache, median of passes) at 1, 2, 4
+and 8 rows, the native kernel at every row count, with the int4 x int8 VNNI kernel
 (layers/int4_vnni.py, RTN group 128 on the same shape) beside it. GB/s = resident weight bytes per
 call / seconds.
 
@@ -19,8 +20,9 @@ import torch
 
 from mixserve.env import machine_info
 from mixserve.layers import gguf_kernels, int4_vnni
-from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight
-from mixserve.layers.kernel_choice import rotating_copies, time_calls
+from mixserve.layers import gguf_linear
+from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight, clone_weight
+from mixserve.layers.kernel_choice import KernelChooser, rotating_copies, time_calls
 from mixserve.layers.linear import _int4_copies
 from mixserve.models.registry import resolve_model
 
@@ -36,6 +38,7 @@ def main():
     print(json.dumps(machine_info()))
     assert gguf_kernels.available(), "the native kernel needs AVX512-VNNI"
     results = []
+    chooser = KernelChooser()
     for model in a.models.split(","):
         rd = gguf.GGUFReader(str(resolve_model(model).path))
         seen = set()
@@ -47,13 +50,14 @@ def main():
             seen.add((kind, tt))
             k, n = int(t.shape[0]), int(t.shape[1])
             base = GGUFWeight.from_blocks(tt, np.asarray(t.data), k)
+            # the prefetch distance the engine runs with here (the chooser's cached or measured pick)
+            gguf_linear.choose(GGUFLinear([base], None, torch.bfloat16), chooser)
 
             def make(base=base):
-                return GGUFLinear([GGUFWeight(base.qtype, base.out_features, base.in_features,
-                                              {m: getattr(base, m).clone() for m in GGUFWeight.TENSORS},
-                                              base.group, base.superblock, base.hb, base.zero)], None, torch.bfloat16)
+                return GGUFLinear([clone_weight(base)], None, torch.bfloat16)  # dense_rows None: the kernel
             mods = rotating_copies(make, base.nbytes())
-            row = {"model": model, "tensor": kind, "type": tt, "shape": f"{n}x{k}", "bytes": base.nbytes()}
+            row = {"model": model, "tensor": kind, "type": tt, "shape": f"{n}x{k}", "bytes": base.nbytes(),
+                   "prefetch": base.prefetch}
             for r in ROWS:
                 x = torch.randn(r, k).to(torch.bfloat16)
                 row[f"native_ms_{r}"] = 1e3 * time_calls(mods, lambda m: m(x))

@@ -133,8 +133,7 @@ class GGUFWeight:
 
     def matmul(self, x: torch.Tensor, levels: int = 1) -> torch.Tensor:
         """x [R, K] (any float dtype) -> float32 [R, N]: the effective weights times x quantized to
-        int8 per 128-channel chunk (`levels` int8 rows per row, 1-4). Raises RuntimeError where the
-        kernel is not built (`gguf_kernels.available()`)."""
+        int8 per 32 channels (`levels` int8 rows per row, 1-4)."""
         return torch.ops.mixserve.gguf_matmul(x.float().contiguous(), *self._args(), levels, self.prefetch)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,

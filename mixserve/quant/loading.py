@@ -67,15 +67,10 @@ def _awq_parts(w: dict, name: str, group_size: int):
 
 
 def _gguf_linear(w: dict, names: list[str], bias, dtype: torch.dtype) -> nn.Module:
-    """A GGUFLinear over native GGUF parts, runs of one type concatenated into one part; a part
-    dequantized at load (a type without a kernel) is stored dense here too, so a mixed stack
-    stays one module."""
+    """A GGUFLinear over native GGUF parts, runs of one type concatenated into one part."""
     runs: list[list[GGUFWeight]] = []
     for n in names:
         t = w[n + ".weight"]
-        if not isinstance(t, GGUFWeight):
-            raise ValueError(f"{n}: stored as {t.dtype}, beside GGUF-quantized parts of one fused linear: "
-                             "load with gguf_weights='dequantize'")
         if runs and runs[-1][0].qtype == t.qtype:
             runs[-1].append(t)
         else:
@@ -98,8 +93,11 @@ def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype
     bias = None
     if all(n + ".bias" in w for n in names):
         bias = torch.cat([w[n + ".bias"].to(dtype) for n in names])
-    if any(isinstance(w.get(n + ".weight"), GGUFWeight) for n in names):
+    native = [isinstance(w.get(n + ".weight"), GGUFWeight) for n in names]
+    if all(native):
         return _gguf_linear(w, names, bias, dtype)
+    if any(native):  # a part of a type without a kernel beside native ones: the fused linear runs dense
+        w = {**w, **{n + ".weight": w[n + ".weight"].dequantize() for n, is_q in zip(names, native) if is_q}}
     is_awq = [n + ".qweight" in w for n in names]
     if any(is_awq) and quant is None:
         raise ValueError(f"checkpoint: {names[0]} holds int4 tensors (qweight) but config.json has no "
