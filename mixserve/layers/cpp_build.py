@@ -53,15 +53,23 @@ def build_extension(name: str, source: str, functions: list[str]):
 
 # C++ shared by the int8-activation kernels (layers/int4_vnni.py, layers/gguf_kernels.py): one
 # activation row's int8 quantization with one scale, max |x| / 127, per B channels (round half to
-# even); `rest`, when given, receives what the rounding left over (the next level's input)
+# even); `rest`, when given, receives what the rounding left over (the next level's input). A block
+# holding a NaN or an infinity gets a NaN scale, so the product is NaN too and the engine's check
+# of non-finite logits fails the request (std::max would drop a NaN and the cast of one to int8
+# is undefined: the output came out finite and wrong)
 QUANTIZE_ROW_SRC = r"""
 template <int B>
 static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float* rest) {
   for (int64_t c = 0; c < K / B; ++c) {
     const float* xc = xr + c * B;
     float amax = 0.f;
-    for (int i = 0; i < B; ++i) amax = std::max(amax, std::fabs(xc[i]));
-    const float dc = amax / 127.f, inv = dc > 0.f ? 1.f / dc : 0.f;
+    bool finite = true;
+    for (int i = 0; i < B; ++i) {
+      const float a = std::fabs(xc[i]);
+      finite &= std::isfinite(a);
+      amax = std::max(amax, a);
+    }
+    const float dc = finite ? amax / 127.f : NAN, inv = dc > 0.f ? 1.f / dc : 0.f;
     d[c] = dc;
     for (int i = 0; i < B; ++i) {
       const float qi = std::nearbyint(xc[i] * inv);

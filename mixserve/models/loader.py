@@ -89,6 +89,8 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     quantization asked for does not match the checkpoint, with a clear message.
     """
     r = resolve_model(spec)
+    if r.kind != "gguf" and gguf_weights == "native":
+        raise ValueError(f"gguf_weights native: {spec} is not a GGUF file ({r.kind}); leave --gguf-weights unset")
     if r.kind == "gguf" and use_native_gguf(gguf_weights, quantization):
         return _load_native_gguf(r.path, dtype, max_positions, progress)
     folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path

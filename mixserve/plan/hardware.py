@@ -93,13 +93,13 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
     (random weights of the file's block types, `gguf_parts`) with the kernel `chooser` picks for
     its shape (layers/kernel_choice.py); head: an LM head, with its float32 result (`float_out`);
     tied: a dense head whose plain weight the embedding holds."""
-    from mixserve.layers.gguf_linear import GGUFLinear, random_weight
+    from mixserve.layers.gguf_linear import NATIVE_TYPES, GGUFLinear, random_weight
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
     g = torch.Generator().manual_seed(0)
-    if fmt == "gguf":
+    if fmt == "gguf" and all(t in NATIVE_TYPES for t, _ in gguf_parts):
         lin = GGUFLinear([random_weight(t, n, in_f, seed=i) for i, (t, n) in enumerate(gguf_parts)], None, dtype)
-    elif fmt == "bf16":
+    elif fmt in ("bf16", "gguf"):  # a GGUF part without a native kernel: the engine runs that linear dense
         lin = DenseLinear(torch.randn(out_f, in_f, generator=g).to(dtype) * 0.02)
     else:
         q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.int32)
@@ -183,9 +183,12 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
             gparts = gguf_types[s.name] if fmt == "gguf" else None
             lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
                                head=s.name == "lm_head", tied=cfg.tie_word_embeddings, gguf_parts=gparts)
-            if fmt == "gguf":
+            if fmt == "gguf" and hasattr(lin, "qtypes"):
                 kernel = f"gguf {lin.qtypes}, dense from {lin.dense_rows} rows"
                 nbytes = lin.weight_bytes()
+            elif fmt == "gguf":
+                kernel = f"dense {lin.impl} ({'+'.join(t for t, _ in gparts)}: no native kernel for all parts)"
+                nbytes = s.numel * (torch.finfo(dtype).bits // 8)
             else:
                 kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
                 nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)

@@ -263,3 +263,45 @@ def test_hw_probe_times_the_files_own_block_types(tiny_gguf):
         assert t["kernel"].startswith("gguf ")
     with pytest.raises(ValueError, match="GGUF"):
         probe_linears(cfg, [1], ["gguf"], torch.float32, repeats=1, log=lambda m: None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
+def test_non_finite_activations_give_non_finite_rows(qtype):
+    """A NaN or inf in a row must reach the output (the engine fails such a request on its
+    non-finite logits); rounding it into int8 gave a finite, wrong row."""
+    n, k = shapes(qtype)[0]
+    w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k), k)
+    x = torch.randn(4, k)
+    x[1, 5], x[2, k - 1] = float("nan"), float("inf")
+    for levels in (1, 3):
+        y = w.matmul(x, levels)
+        assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all(), levels
+        assert torch.isfinite(y[0]).all() and torch.isfinite(y[3]).all()
+    from mixserve.layers import int4_vnni
+    if int4_vnni.available():  # the int4 x int8 kernel shares the row quantizer
+        q = torch.randint(0, 16, (64, 256), dtype=torch.int32)
+        s = torch.full((64, 2), 0.01, dtype=torch.float16)
+        y = int4_vnni.int4_vnni_matmul(x[:, :256], int4_vnni.pack(q), s, -8 * s, 128)
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+
+
+def test_probe_runs_a_part_without_native_kernel_dense(tmp_path):
+    from mixserve.layers.kernel_choice import KernelChooser
+    from mixserve.layers.linear import DenseLinear
+    from mixserve.plan.hardware import _make_linear
+
+    chooser = KernelChooser(tmp_path / "choices.json",
+                            overrides={"dense_linear": "plain", "gguf_prefetch": "0", "gguf_dense_rows": "never"})
+    lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q5_K", 32)])
+    assert isinstance(lin, DenseLinear) and lin(torch.randn(2, 256)).shape == (2, 96)
+    lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q6_K", 32)])
+    assert isinstance(lin, GGUFLinear) and lin.qtypes == "Q4_K+Q6_K"
+
+
+def test_native_on_a_folder_is_refused(tmp_path):
+    from mixserve.models.loader import load_model
+    from tests.unit.test_engine_tiny import make_tiny
+
+    folder, _ = make_tiny(tmp_path, "llama", tie=True)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(str(folder), torch.float32, gguf_weights="native")
