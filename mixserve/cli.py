@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-weights", default=None, choices=["native", "dequantize"],
                    help="GGUF models: native runs the file's quantized tensors as stored (its own bytes per token); "
                         "dequantize runs a float32 copy cast to --dtype, the reference for quality and equality "
-                        "checks (default: native where this CPU has the kernel, dequantize with --quantization)")
+                        "checks (default: native where this CPU has the kernel, dequantize with --quantization and in "
+                        "eval-ppl)")
     p.add_argument("--kv-allocator", default=d.kv_allocator, choices=["paged", "contiguous"],
                    help="paged: KV blocks on demand (PagedAttention); contiguous: the older baseline, one "
                         "region per sequence reserved at admission (default %(default)s)")
