@@ -184,8 +184,8 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
             lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
                                head=s.name == "lm_head", tied=cfg.tie_word_embeddings, gguf_parts=gparts)
             if fmt == "gguf" and hasattr(lin, "qtypes"):
-                rows = lin.float_dense_rows if lin.float_out else lin.dense_rows
-                kernel = f"gguf {lin.qtypes}, " + (f"dense from {rows} rows" if rows is not None
+                switch = lin.float_dense_rows if lin.float_out else lin.dense_rows
+                kernel = f"gguf {lin.qtypes}, " + (f"dense from {switch} rows" if switch is not None
                                                    else "kernel at every row count")
                 nbytes = lin.weight_bytes()
             elif fmt == "gguf":
