@@ -106,7 +106,7 @@ def test_qwen05_eos_ids(qwen05_path):
     from mixserve.models.config import ModelConfig
     from mixserve.models.weights import convert_gguf
 
-    cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False, gguf_weights="dequantize"))
+    cfg = ModelConfig.from_folder(convert_gguf(qwen05_path, progress=False))
     assert set(cfg.eos_token_ids) == {151645, 151643}
     assert not cfg.tie_word_embeddings and cfg.attention_bias
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.integration
 
 def test_smollm2_self_draft_accepts_everything(smollm2_path):
     llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="256MiB", draft_model=smollm2_path,
-              num_speculative_tokens=4, speculation="fixed", progress=False)
+              num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize")
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     spec = llm.generate(["def fib(n):", "The capital of France is"], sp)
     llm.engine.controller.mode = "off"
@@ -25,7 +25,7 @@ def test_qwen_pair_humaneval_greedy_equals_plain():
 
     llm = LLM("qwen2.5-coder-1.5b-instruct", dtype="float32", kv_cache_memory="512MiB",
               draft_model="qwen2.5-coder-0.5b-instruct", num_speculative_tokens=4, speculation="fixed",
-              progress=False)
+              progress=False, gguf_weights="dequantize")
     prompts = [r.prompt for r in load_humaneval(2)]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     spec = llm.generate(prompts, sp)
@@ -58,7 +58,7 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
                "import json\n\ndef load(path):"]
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
-              num_speculative_tokens=4, speculation="fixed", progress=False)
+              num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize")
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     def run(mode, ps):
