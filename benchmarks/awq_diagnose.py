@@ -15,7 +15,16 @@ tokens run through the float model:
 - the same ratios with the weight's input channels randomly permuted (activations kept), which
   breaks the weight-activation link and keeps everything else.
 
+The grid control (every linear on its own, with the GGUF block type it was stored in): the output
+MSE of RTN at group 32 relative to RTN at group 128, in two forms. "int zero" is mixserve's (and
+AutoAWQ's) grid, (q - z) * scale with an integer zero point and a float16 scale. "float min" is the
+Q4_K form, q * scale + min with both kept in float32. A Q4_K sub-block is 32 weights q * d_s - m_s
+with q in 0..15; where its integers span 0..15, min-max rounding at group 32 in the float-min form
+recovers it exactly, so the control says how far RTN's error is grid misalignment. Also the share
+of weights each form reproduces exactly.
+
     python benchmarks/awq_diagnose.py --model qwen2.5-coder-0.5b-instruct --out results/awq_diagnose.json
+    python benchmarks/awq_diagnose.py --model qwen2.5-coder-1.5b-instruct --out results/awq_diagnose_15b.json
 """
 from __future__ import annotations
 
@@ -33,17 +42,60 @@ GROUPS = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
 
 
 def curve(x: torch.Tensor, w: torch.Tensor, group_size: int) -> list[float]:
-    """Output MSE at each α of ALPHAS over the MSE at α = 0, for inputs x [N, in], weight w [out, in]."""
+    """Output MSE at each α of ALPHAS over the MSE at α = 0, for inputs x [N, in], weight w [out, in]
+    (the error X (Q(W) - W)^T, as quant/awq.py's objective computes it)."""
+    from mixserve.quant.awq import _out_error
     from mixserve.quant.groupwise import fake_quantize
 
     x_mean = x.abs().mean(0)
-    ref = x @ w.t()
     errs = []
     for a in (0.0,) + ALPHAS:
         s = x_mean.pow(a).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        errs.append((x @ (fake_quantize(w * s, group_size, 4) / s).t() - ref).pow(2).mean().item())
+        errs.append(_out_error(x, fake_quantize(w * s, group_size, 4) / s, w))
     return [e / errs[0] for e in errs[1:]]
+
+
+def float_min_rtn(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Min-max 4-bit rounding per group in the Q4_K form: q * scale + min, scale and min float32."""
+    g = w.reshape(w.shape[0], -1, group_size)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    return (torch.round((g - lo) / scale).clamp(0, 15) * scale + lo).reshape(w.shape)
+
+
+def grid_control(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """RTN g32 (int zero, float min) against RTN g128 on one linear: output MSE ratios and the share
+    of weights each reproduces exactly (to 1e-6 of the weight's scale)."""
+    from mixserve.quant.awq import _out_error
+    from mixserve.quant.groupwise import fake_quantize
+
+    tol = 1e-6 * w.abs().max().item()
+    variants = {"g128": fake_quantize(w, 128, 4), "g32_int_zero": fake_quantize(w, 32, 4),
+                "g32_float_min": float_min_rtn(w, 32)}
+    err = {k: _out_error(x, v, w) for k, v in variants.items()}
+    return {"mse_g32_int_zero_vs_g128": err["g32_int_zero"] / err["g128"],
+            "mse_g32_float_min_vs_g128": err["g32_float_min"] / err["g128"],
+            **{f"exact_{k}": ((v - w).abs() <= tol).float().mean().item() for k, v in variants.items()}}
+
+
+def gguf_types(model: str) -> dict[str, str]:
+    """{HF weight name: GGUF block type} of a GGUF model; empty for other models."""
+    import gguf
+
+    from mixserve.models.registry import resolve_model
+    from mixserve.models.weights import _hf_name
+
+    r = resolve_model(model)
+    if r.kind != "gguf":
+        return {}
+    out = {}
+    for t in gguf.GGUFReader(str(r.path)).tensors:
+        try:
+            out[_hf_name(t.name)] = t.tensor_type.name
+        except ValueError:
+            pass
+    return out
 
 
 def main() -> int:
@@ -67,7 +119,8 @@ def main() -> int:
     cos, sin = rope_tables(cfg, T)
     x = F.embedding(calib, w["model.embed_tokens.weight"])
     gen = torch.Generator().manual_seed(a.seed)
-    rows = []
+    types = gguf_types(a.model)
+    rows, grid = [], []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         with torch.no_grad():
@@ -79,6 +132,9 @@ def main() -> int:
                     continue
                 xm, wm = feat.abs().mean(0), W.abs().mean(0)
                 corr = torch.corrcoef(torch.stack([xm.clamp(min=1e-8).log(), wm.clamp(min=1e-8).log()]))[0, 1].item()
+                for n in names:
+                    gc = grid_control(feat, w[p + n + ".weight"])
+                    grid.append({"layer": i, "linear": n, "gguf_type": types.get(p + n + ".weight", "?"), **gc})
                 perm = torch.randperm(W.shape[1], generator=gen)
                 rows.append({"layer": i, "group": key, "corr": corr, "ratio": curve(feat, W, a.group_size),
                              "ratio_shuffled": curve(feat, W[:, perm], a.group_size)})
@@ -90,6 +146,8 @@ def main() -> int:
     summary = {}
     for key in list(GROUPS) + ["all"]:
         sel = [r for r in rows if key in ("all", r["group"])]
+        if not sel:  # no linear of this group fits the group size
+            continue
         best = lambda rs: min(range(len(ALPHAS)), key=lambda j: rs[j])  # noqa: E731
         summary[key] = {
             "groups": len(sel),
@@ -110,9 +168,20 @@ def main() -> int:
               + " ".join(f"{v:.2f}" for v in s["median_ratio_by_alpha_shuffled"])
               + f"  some alpha beats RTN: {s['share_where_some_alpha_beats_rtn']:.0%} "
               f"(shuffled {s['share_where_some_alpha_beats_rtn_shuffled']:.0%})")
+    grid_summary = {}
+    print("\ngrid control: RTN g32 against RTN g128 (output MSE ratio, median) and weights reproduced exactly")
+    for t in sorted({g["gguf_type"] for g in grid}) + ["all"]:
+        sel = [g for g in grid if t in ("all", g["gguf_type"])]
+        med = lambda k: statistics.median(g[k] for g in sel)  # noqa: E731
+        grid_summary[t] = {"linears": len(sel), **{k: med(k) for k in sel[0] if k not in ("layer", "linear", "gguf_type")}}
+        gs = grid_summary[t]
+        print(f"{t:6s} n={len(sel):3d}  int zero {gs['mse_g32_int_zero_vs_g128']:.3f}x "
+              f"(exact {gs['exact_g32_int_zero']:.0%})  float min {gs['mse_g32_float_min_vs_g128']:.3f}x "
+              f"(exact {gs['exact_g32_float_min']:.0%})  g128 exact {gs['exact_g128']:.0%}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"config": vars(a), "machine": machine_info(), "alphas": ALPHAS,
-                                       "summary": summary, "rows": rows}, indent=1))
+                                       "summary": summary, "rows": rows, "grid_summary": grid_summary,
+                                       "grid": grid}, indent=1))
     print(f"wrote {a.out}")
     return 0
 

@@ -20,6 +20,11 @@ def main():
     ap.add_argument("--no-rtn", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--rtn-groups", default=None,
+                    help="comma-separated group sizes for RTN runs (default: --group-size); e.g. 128,32 adds the grid "
+                         "control at group 32")
+    ap.add_argument("--int4-head", action="store_true",
+                    help="round the LM head to int4 in the int4 runs (default: keep it dense in every run)")
     ap.add_argument("--slices", default="code_stdlib,code_humaneval,chat_en,chat_nonen,odd_format")
     ap.add_argument("--tokens-per-slice", type=int, default=6144)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -33,14 +38,21 @@ def main():
 
     slices = a.slices.split(",")
     runs = [("baseline", dict(model=a.model))]
+    head = dict(quant_lm_head=a.int4_head)
     if not a.no_rtn:
-        runs.append(("rtn", dict(model=a.model, quantization="rtn", quant_group_size=a.group_size)))
+        groups = [int(g) for g in (a.rtn_groups or str(a.group_size)).split(",")]
+        for g in groups:
+            label = "rtn" if g == a.group_size else f"rtn-g{g}"
+            runs.append((label, dict(model=a.model, quantization="rtn", quant_group_size=g, **head)))
     for spec in a.awq:
         label, folder = spec.split("=", 1)
-        runs.append((f"awq-{label}", dict(model=folder, quantization="awq")))
+        runs.append((f"awq-{label}", dict(model=folder, quantization="awq", **head)))
     res = {"config": vars(a), "machine": machine_info(), "runs": {}}
     for label, kw in runs:
-        eng = LLMEngine(EngineArgs(dtype=a.dtype, max_num_seqs=1, kv_cache_memory="256MiB", progress=False, **kw))
+        eng = LLMEngine(EngineArgs(dtype=a.dtype, max_num_seqs=1, kv_cache_memory="256MiB", progress=False,
+                                   gguf_weights="dequantize", **kw))
+        if label == "baseline":
+            res["weights"] = eng.describe()
         r = evaluate(eng, slices, a.tokens_per_slice, a.seq_len)
         res["runs"][label] = {"slices": r}
         if label != "baseline":

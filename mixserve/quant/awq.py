@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 import time
+import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -93,11 +95,48 @@ class AWQConfig:
 
 @dataclass
 class QuantReport:
-    """What quantization did: per-layer chosen α (by group), seconds, and linears left dense."""
+    """What quantization did: per-layer chosen α (by group), seconds, linears left dense, and per
+    linear group what the scale search saw (`groups`: dicts with layer, group, corr = the
+    correlation over input channels of log mean|x_j| and log mean_i |W_ij|, alpha, err_rtn and
+    err = the objective's output MSE at α = 0 and at the chosen α)."""
 
     alphas: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    groups: list[dict] = field(default_factory=list)
+
+    @staticmethod
+    def _ratio(g: dict) -> float:
+        return g["err"] / g["err_rtn"] if g["err_rtn"] > 0 else 1.0
+
+    def table(self) -> list[str]:
+        """One line per block: each group's α, correlation and error relative to RTN."""
+        lines = []
+        for layer in sorted({g["layer"] for g in self.groups}):
+            cells = [f"{g['group']} α {g['alpha']:.2f} corr {g['corr']:+.2f} err {self._ratio(g):.3f}x"
+                     for g in self.groups if g["layer"] == layer]
+            lines.append(f"block {layer:3d}: " + " | ".join(cells))
+        return lines
+
+    def verdict(self) -> str:
+        """One line: did the scale search find scales that beat RTN, and how much (§3.2's premise
+        is that salient-by-activation channels hold ordinary weights: the correlation says whether
+        that holds)."""
+        if not self.groups:
+            return "AWQ: no linear group was searched"
+        n = len(self.groups)
+        won = [g for g in self.groups if g["alpha"] > 0]
+        ratio = lambda gs: statistics.median(self._ratio(g) for g in gs)  # noqa: E731
+        corr = statistics.median(g["corr"] for g in self.groups)
+        line = (f"AWQ found scales that beat RTN in {len(won)} of {n} linear groups ({len(won) / n:.0%}, α > 0)"
+                + (f", with median output error {ratio(won):.3f}x RTN's there" if won else "")
+                + f"; median over all groups {ratio(self.groups):.3f}x; median weight/activation log-magnitude "
+                f"correlation {corr:+.2f}")
+        if len(won) < n / 2 or ratio(self.groups) > 0.97:
+            line += (". AWQ is about RTN on these weights"
+                     + (": their large-activation channels already hold large weights (AWQ §3.2's premise fails)"
+                        if corr > 0.5 else ""))
+        return line
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,20 +187,39 @@ def _out_error(x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor) -> float:
     return (x.to(torch.bfloat16) @ d.t()).float().pow(2).mean().item()
 
 
+class ScaleChoice(NamedTuple):
+    """search_scale's answer: s [in] float32, α, and the objective at α = 0 (RTN) and at α."""
+
+    s: torch.Tensor
+    alpha: float
+    err_rtn: float
+    err: float
+
+
+def log_magnitude_corr(x_mean: torch.Tensor, w: torch.Tensor) -> float:
+    """Correlation over input channels j of log x_mean[j] and log mean_i |w[i, j]| (w [out, in]):
+    near +1 when the channels with large activations already hold the largest weights, where
+    scaling them up (AWQ §3.2) widens every group's range instead of protecting them."""
+    pair = torch.stack([x_mean.float().clamp(min=1e-8).log(), w.float().abs().mean(0).clamp(min=1e-8).log()])
+    c = torch.corrcoef(pair)[0, 1].item()
+    return 0.0 if math.isnan(c) else c
+
+
 def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQConfig,
-                 error=None) -> tuple[torch.Tensor, float]:
+                 error=None) -> ScaleChoice:
     """Best per-input-channel scale s [in] for the stacked weights w [out, in] of one group.
 
     x: sampled inputs [N, in] float32; x_mean: mean |x| per channel over all calibration tokens.
     error: optional callable scoring a candidate dequantized weight [out, in] (AttentionProbe,
     MLPProbe); by default the group's own output error on x.
-    Returns (s, α). s = 1 (reported as α = 0) is always a candidate, so AWQ never does worse than
-    RTN on this objective.
+    Returns ScaleChoice(s, α, err_rtn, err). s = 1 (reported as α = 0) is always a candidate, so
+    AWQ never does worse than RTN on this objective.
     """
     if error is None:
         error = lambda w_q: _out_error(x, w_q, w)  # noqa: E731
     ones = torch.ones_like(x_mean)
-    best = (error(fake_quantize(w, qc.group_size, qc.bits)), ones, 0.0)
+    err_rtn = error(fake_quantize(w, qc.group_size, qc.bits))
+    best = (err_rtn, ones, 0.0)
     w_mean = None
     if qc.duo:
         wa = w.abs().view(-1, qc.group_size)
@@ -176,7 +234,7 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
         err = error(fake_quantize(w * s, qc.group_size, qc.bits) / s)
         if err < best[0]:
             best = (err, s, alpha)
-    return best[1], best[2]
+    return ScaleChoice(best[1], best[2], err_rtn, best[0])
 
 
 def _bf16_mm(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -335,9 +393,11 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
                 probe = AttentionProbe(cfg, w, feat.view(B, T, -1)[:n_mod], cos, sin)
             elif qc.objective == "module" and key == "gate_up":
                 probe = MLPProbe(w, feat.view(B, T, -1)[:n_mod].reshape(-1, feat.shape[1]))
-            s, alpha = search_scale(feat[search_idx], x_mean, stacked, qc, probe)
+            s, alpha, err_rtn, err = search_scale(feat[search_idx], x_mean, stacked, qc, probe)
             del probe
             chosen[key] = alpha
+            report.groups.append({"layer": i, "group": key, "corr": round(log_magnitude_corr(x_mean, stacked), 4),
+                                  "alpha": alpha, "err_rtn": err_rtn, "err": err})
             for n in names:
                 w[n + ".weight"] = w[n + ".weight"] * s
             if prev.endswith("layernorm"):

@@ -74,7 +74,8 @@ def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tenso
             shutil.copy(source / f, tmp / f)
     (tmp / "mixserve_quant.json").write_text(json.dumps(
         {**meta, "config": asdict(qc), "seconds": round(report.seconds, 1), "skipped": report.skipped,
-         "alphas": report.alphas}, indent=1))
+         "alphas": report.alphas, "groups": report.groups, "verdict": report.verdict() if report.groups else None},
+        indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -140,6 +141,12 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
         if all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
             log(f"{out}: already quantized with these settings")
             return out
+    from mixserve.quant.provenance import quantized_release, release_warning
+
+    warning = release_warning(model, "quantize")
+    if warning:
+        log(warning)
+    meta["source_release"] = quantized_release(model)
     cfg = ModelConfig.from_folder(folder)
     if json.loads((folder / "config.json").read_text()).get("quantization_config"):
         raise ValueError(f"model: {folder} is already quantized; quantize a dense model")
@@ -163,6 +170,10 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     new_w, report = quantize_weights(cfg, weights, calib_ids, qc, progress=progress)
     for s in report.skipped:
         log(f"left unquantized: {s}")
+    if report.groups:
+        for line in report.table():
+            log(line)
+        log(report.verdict())
     sd = build_state_dict(cfg, new_w, qc, report, lm_head)
     report.seconds = time.perf_counter() - t0
     save_checkpoint(out, cfg, sd, qc, report, folder, meta)

@@ -39,6 +39,9 @@ def test_checkpoint_layout(awq_dir):
     assert qz.shape == (24, 72) and qz.dtype == torch.int32
     meta = json.loads((awq_dir / "mixserve_quant.json").read_text())
     assert meta["method"] == "awq" and meta["calib"] == "humaneval" and len(meta["alphas"]) == 30
+    # the search's report: q/k/v, gate/up and down in every block (GQA: o is not scaled)
+    assert len(meta["groups"]) == 90 and all(-1 <= g["corr"] <= 1 and g["err"] <= g["err_rtn"] for g in meta["groups"])
+    assert meta["verdict"].startswith("AWQ found scales that beat RTN in ") and meta["source_release"] is None
 
 
 def test_int4_kernel_and_dense_path_agree_on_real_weights(awq_dir):
@@ -70,5 +73,6 @@ def test_eval_ppl_awq_close_to_baseline(awq_dir, smollm2_path, tmp_path):
     q = json.loads(quant.read_text())
     r = q["slices"]["code_humaneval"]
     assert b["tokens"] == r["tokens"] == 4 * 255
+    assert q["source_release"] is None  # SmolLM2 is not an AWQ/GPTQ release
     assert 1.0 < b["ppl"] < r["ppl"] < 1.5 * b["ppl"]  # int4 costs a little, not everything
     assert q["vs_baseline"]["code_humaneval"]["delta"] == pytest.approx(r["ppl"] - b["ppl"])

@@ -149,7 +149,7 @@ def test_awq_scale_search_beats_round_to_nearest():
     x = torch.randn(512, 128, generator=g)
     x[:, :3] *= 30  # salient input channels
     w = torch.randn(64, 128, generator=g)
-    s, alpha = search_scale(x, x.abs().mean(0), w, AWQConfig(group_size=32))
+    s, alpha, _, _ = search_scale(x, x.abs().mean(0), w, AWQConfig(group_size=32))
     ref = x @ w.t()
     err_rtn = (x @ fake_quantize(w, 32).t() - ref).pow(2).mean()
     err_awq = (x @ (fake_quantize(w * s, 32) / s).t() - ref).pow(2).mean()
@@ -443,3 +443,48 @@ def test_module_objective_keeps_the_float_model_and_its_probes_measure_the_modul
 def test_objective_is_checked():
     with pytest.raises(ValueError, match="objective"):
         AWQConfig(objective="block")
+
+
+def _graded_model(aligned: bool):
+    """One block whose hidden channels have log-normal activation magnitudes c_j (scaled embedding
+    columns); with aligned=True the q/k/v weights' input columns are scaled by c_j too, so the
+    large-activation channels already hold the large weights (what benchmarks/awq_diagnose.py
+    finds in the 0.5B release)."""
+    cfg = tiny_cfg(2, layers=1)
+    w = tiny_weights(cfg, outliers=False)
+    c = torch.exp(torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(5)))
+    w["model.embed_tokens.weight"] *= c
+    if aligned:
+        for n in ("q_proj", "k_proj", "v_proj"):
+            w[f"model.layers.0.self_attn.{n}.weight"] *= c
+    calib = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    return quantize_weights(cfg, w, calib, AWQConfig(group_size=32), progress=False)[1]
+
+
+def test_report_large_activations_on_ordinary_weights_get_scaled():
+    rep = _graded_model(aligned=False)
+    qkv = next(g for g in rep.groups if g["group"] == "qkv")
+    assert abs(qkv["corr"]) < 0.3
+    assert qkv["alpha"] > 0 and qkv["err"] < 0.8 * qkv["err_rtn"]
+    assert {g["group"] for g in rep.groups} == {"qkv", "gate_up", "down"}  # GQA: o is not searched
+    assert rep.table()[0].startswith("block   0: qkv α")
+    v = rep.verdict()
+    assert v.startswith("AWQ found scales that beat RTN in 3 of 3 linear groups") and "about RTN" not in v
+
+
+def test_report_large_activations_on_large_weights_get_alpha_zero():
+    rep = _graded_model(aligned=True)
+    qkv = next(g for g in rep.groups if g["group"] == "qkv")
+    assert qkv["corr"] > 0.9
+    assert qkv["alpha"] == 0.0 and qkv["err"] == qkv["err_rtn"]
+
+
+def test_verdict_names_the_failed_premise():
+    from mixserve.quant.awq import QuantReport
+
+    rep = QuantReport(groups=[{"layer": i, "group": "qkv", "corr": 0.85, "alpha": 0.0 if i else 0.1,
+                               "err_rtn": 2.0, "err": 2.0 if i else 1.9} for i in range(4)])
+    v = rep.verdict()
+    assert "1 of 4 linear groups (25%" in v and "0.950x RTN's there" in v and "+0.85" in v
+    assert "AWQ is about RTN on these weights" in v and "premise fails" in v
+    assert QuantReport().verdict() == "AWQ: no linear group was searched"

@@ -1,0 +1,91 @@
+"""Where a model's weights come from: whether they are already the output of AWQ or GPTQ.
+
+AWQ (Lin et al., MLSys 2024, §3.2) folds per-channel scales into the weights before rounding. A
+release made that way and shipped again (dequantized, or re-encoded as GGUF) carries those scales
+already: running AWQ on it redoes work that is done, and its "unquantized" baseline is itself a
+rounded model. mixserve's 0.5B is such a file (GGUF `general.name` "Qwen2.5 Coder 0.5B Instruct
+AWQ"), which is why AWQ finds nothing to gain there (benchmarks/awq_diagnose.py).
+
+Read from: the GGUF general.* keys (GGUF spec, "General metadata"), an HF folder's
+config.json `quantization_config.quant_method` (transformers' convention), a mixserve checkpoint's
+mixserve_quant.json, and a dequantized GGUF copy's source file beside it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+QUANT_RELEASE = re.compile(r"(?<![a-z0-9])(awq|gptq)(?![a-z0-9])", re.IGNORECASE)
+GGUF_KEYS = ("general.name", "general.finetune", "general.basename", "general.source.url",
+             "general.source.huggingface.repository")
+
+
+def gguf_release(path: str | Path) -> str | None:
+    """The GGUF metadata that names an AWQ/GPTQ release, e.g. 'general.name "Qwen2.5 Coder 0.5B
+    Instruct AWQ"', or None. Raises what gguf.GGUFReader raises for a file that is not a GGUF."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    for key in GGUF_KEYS:
+        f = reader.fields.get(key)
+        if f is None:
+            continue
+        value = f.contents()
+        if isinstance(value, str) and QUANT_RELEASE.search(value):
+            return f'GGUF {key} "{value}"'
+    return None
+
+
+def folder_release(folder: str | Path) -> str | None:
+    """The same for an HF folder: its quantization_config's quant_method (when the folder is not
+    a mixserve checkpoint), the release a mixserve checkpoint was made from, or the GGUF a
+    dequantized copy (`<file>.gguf.mixserve`) came from. None when nothing says so."""
+    folder = Path(folder)
+    made = folder / "mixserve_quant.json"
+    if made.is_file():
+        try:
+            meta = json.loads(made.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        src = meta.get("source_release")
+        return f"made from {meta.get('model')}, whose {src}" if src else None
+    try:
+        qcfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        qcfg = {}
+    method = str(qcfg.get("quant_method", "")) if isinstance(qcfg, dict) else ""
+    if QUANT_RELEASE.fullmatch(method):
+        return f"config.json quantization_config.quant_method {method!r}"
+    if folder.name.endswith(".mixserve"):
+        src = folder.with_name(folder.name[: -len(".mixserve")])
+        if src.is_file():
+            return gguf_release(src)
+    return None
+
+
+def quantized_release(model: str | Path) -> str | None:
+    """Whether `model` (built-in name, GGUF path or HF folder) already comes from an AWQ or GPTQ
+    release: the evidence as a phrase, or None. Never downloads; an unknown or unreadable model
+    gives None (loading it reports the real error)."""
+    from mixserve.models.registry import resolve_model
+
+    try:
+        r = resolve_model(model, download=False)
+        return gguf_release(r.path) if r.kind == "gguf" else folder_release(r.path)
+    except (OSError, ValueError):
+        return None
+
+
+def release_warning(model: str | Path, action: str) -> str | None:
+    """A one-line warning for `action` ("quantize", "eval-ppl") on weights that already come from
+    an AWQ/GPTQ release, or None."""
+    src = quantized_release(model)
+    if src is None:
+        return None
+    if action == "quantize":
+        return (f"warning: {model} already comes from an AWQ/GPTQ release ({src}): its weights carry that "
+                "release's scales and rounding, so AWQ on them redoes work already done and can gain little "
+                "over RTN")
+    return (f"warning: {model} comes from an AWQ/GPTQ release ({src}): its 'unquantized' weights are already "
+            "a rounded model, so quality changes are measured against that, not the original weights")
