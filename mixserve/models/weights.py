@@ -222,6 +222,8 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
 
 def _write_meta(gguf_path: str | Path, cfg: ModelConfig, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    # which file this copy came from (quant/provenance.py reads its release name from there)
+    (folder / "mixserve_source.json").write_text(json.dumps({"gguf": str(Path(gguf_path).resolve())}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
     try:
         from transformers import AutoTokenizer

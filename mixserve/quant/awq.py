@@ -97,8 +97,9 @@ class AWQConfig:
 class QuantReport:
     """What quantization did: per-layer chosen α (by group), seconds, linears left dense, and per
     linear group what the scale search saw (`groups`: dicts with layer, group, corr = the
-    correlation over input channels of log mean|x_j| and log mean_i |W_ij|, alpha, err_rtn and
-    err = the objective's output MSE at α = 0 and at the chosen α)."""
+    correlation over input channels of log mean|x_j| and log mean_i |W_ij| (None when undefined,
+    see log_magnitude_corr), alpha, err_rtn and err = the objective's output MSE at α = 0 and at
+    the chosen α; always finite: quantize_weights refuses NaN/inf)."""
 
     alphas: list[dict] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -109,11 +110,15 @@ class QuantReport:
     def _ratio(g: dict) -> float:
         return g["err"] / g["err_rtn"] if g["err_rtn"] > 0 else 1.0
 
+    @staticmethod
+    def _corr(g: dict) -> str:
+        return "n/a" if g["corr"] is None else f"{g['corr']:+.2f}"
+
     def table(self) -> list[str]:
         """One line per block: each group's α, correlation and error relative to RTN."""
         lines = []
         for layer in sorted({g["layer"] for g in self.groups}):
-            cells = [f"{g['group']} α {g['alpha']:.2f} corr {g['corr']:+.2f} err {self._ratio(g):.3f}x"
+            cells = [f"{g['group']} α {g['alpha']:.2f} corr {self._corr(g)} err {self._ratio(g):.3f}x"
                      for g in self.groups if g["layer"] == layer]
             lines.append(f"block {layer:3d}: " + " | ".join(cells))
         return lines
@@ -125,17 +130,20 @@ class QuantReport:
         if not self.groups:
             return "AWQ: no linear group was searched"
         n = len(self.groups)
-        won = [g for g in self.groups if g["alpha"] > 0]
+        # a win is a lower objective than RTN's, which is α > 0 except with duo scaling (whose
+        # α = 0 candidate is not s = 1)
+        won = [g for g in self.groups if g["err"] < g["err_rtn"]]
         ratio = lambda gs: statistics.median(self._ratio(g) for g in gs)  # noqa: E731
-        corr = statistics.median(g["corr"] for g in self.groups)
-        line = (f"AWQ found scales that beat RTN in {len(won)} of {n} linear groups ({len(won) / n:.0%}, α > 0)"
+        corrs = [g["corr"] for g in self.groups if g["corr"] is not None]
+        corr = statistics.median(corrs) if corrs else None
+        line = (f"AWQ found scales that beat RTN in {len(won)} of {n} linear groups ({len(won) / n:.0%})"
                 + (f", with median output error {ratio(won):.3f}x RTN's there" if won else "")
                 + f"; median over all groups {ratio(self.groups):.3f}x; median weight/activation log-magnitude "
-                f"correlation {corr:+.2f}")
+                + ("correlation n/a" if corr is None else f"correlation {corr:+.2f}"))
         if len(won) < n / 2 or ratio(self.groups) > 0.97:
             line += (". AWQ is about RTN on these weights"
                      + (": their large-activation channels already hold large weights (AWQ §3.2's premise fails)"
-                        if corr > 0.5 else ""))
+                        if corr is not None and corr > 0.5 else ""))
         return line
 
 
@@ -196,13 +204,27 @@ class ScaleChoice(NamedTuple):
     err: float
 
 
-def log_magnitude_corr(x_mean: torch.Tensor, w: torch.Tensor) -> float:
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
+def log_magnitude_corr(x_mean: torch.Tensor, w: torch.Tensor) -> float | None:
     """Correlation over input channels j of log x_mean[j] and log mean_i |w[i, j]| (w [out, in]):
     near +1 when the channels with large activations already hold the largest weights, where
-    scaling them up (AWQ §3.2) widens every group's range instead of protecting them."""
-    pair = torch.stack([x_mean.float().clamp(min=1e-8).log(), w.float().abs().mean(0).clamp(min=1e-8).log()])
-    c = torch.corrcoef(pair)[0, 1].item()
-    return 0.0 if math.isnan(c) else c
+    scaling them up (AWQ §3.2) widens every group's range instead of protecting them.
+    Channels that are zero (or not finite) on either side are left out, since two dead channels
+    would otherwise decide the result alone; None when fewer than two channels remain or either
+    side is constant."""
+    xs, ws = x_mean.float(), w.float().abs().mean(0)
+    ok = (xs > 0) & (ws > 0) & xs.isfinite() & ws.isfinite()
+    if int(ok.sum()) < 2:
+        return None
+    lx, lw = xs[ok].log(), ws[ok].log()
+    lx, lw = lx - lx.mean(), lw - lw.mean()
+    den = (lx.pow(2).sum() * lw.pow(2).sum()).sqrt().item()
+    if not den > 1e-12 * lx.numel():
+        return None
+    return max(-1.0, min(1.0, (lx * lw).sum().item() / den))
 
 
 def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQConfig,
@@ -341,6 +363,10 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
         raise ValueError(f"method: must be awq or rtn (got {qc.method!r})")
     if qc.method == "awq" and (calib is None or calib.numel() == 0):
         raise ValueError("awq needs calibration tokens")
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"weights hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): "
+                         "nothing to quantize")
     t0 = time.perf_counter()
     report = QuantReport()
     out = {k: v for k, v in weights.items()}
@@ -395,8 +421,11 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
                 probe = MLPProbe(w, feat.view(B, T, -1)[:n_mod].reshape(-1, feat.shape[1]))
             s, alpha, err_rtn, err = search_scale(feat[search_idx], x_mean, stacked, qc, probe)
             del probe
+            if not (math.isfinite(err_rtn) and math.isfinite(err)):
+                raise ValueError(f"block {i} {key}: the quantization error is not finite ({err_rtn}): the weights "
+                                 "or the calibration activations hold NaN or inf, so there is nothing to quantize")
             chosen[key] = alpha
-            report.groups.append({"layer": i, "group": key, "corr": round(log_magnitude_corr(x_mean, stacked), 4),
+            report.groups.append({"layer": i, "group": key, "corr": _round(log_magnitude_corr(x_mean, stacked)),
                                   "alpha": alpha, "err_rtn": err_rtn, "err": err})
             for n in names:
                 w[n + ".weight"] = w[n + ".weight"] * s

@@ -16,9 +16,11 @@ import json
 import re
 from pathlib import Path
 
-QUANT_RELEASE = re.compile(r"(?<![a-z0-9])(awq|gptq)(?![a-z0-9])", re.IGNORECASE)
+# the token may touch digits and punctuation ("AWQ4bit", "Int4-AWQ"), not letters ("Hawq")
+QUANT_RELEASE = re.compile(r"(?<![a-z])(awq|gptq)(?![a-z])", re.IGNORECASE)
 GGUF_KEYS = ("general.name", "general.finetune", "general.basename", "general.source.url",
-             "general.source.huggingface.repository")
+             "general.source.repo_url", "general.source.huggingface.repository", "general.tags")
+SOURCE_FILE = "mixserve_source.json"  # written by models/weights.py beside a dequantized copy
 
 
 def gguf_release(path: str | Path) -> str | None:
@@ -32,8 +34,9 @@ def gguf_release(path: str | Path) -> str | None:
         if f is None:
             continue
         value = f.contents()
-        if isinstance(value, str) and QUANT_RELEASE.search(value):
-            return f'GGUF {key} "{value}"'
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str) and QUANT_RELEASE.search(v):
+                return f'GGUF {key} "{v}"'
     return None
 
 
@@ -42,26 +45,33 @@ def folder_release(folder: str | Path) -> str | None:
     a mixserve checkpoint), the release a mixserve checkpoint was made from, or the GGUF a
     dequantized copy (`<file>.gguf.mixserve`) came from. None when nothing says so."""
     folder = Path(folder)
-    made = folder / "mixserve_quant.json"
-    if made.is_file():
-        try:
-            meta = json.loads(made.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        src = meta.get("source_release")
-        return f"made from {meta.get('model')}, whose {src}" if src else None
-    try:
-        qcfg = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        qcfg = {}
-    method = str(qcfg.get("quant_method", "")) if isinstance(qcfg, dict) else ""
-    if QUANT_RELEASE.fullmatch(method):
+    made = _read_json(folder / "mixserve_quant.json")
+    if made is not None:
+        src = made.get("source_release")
+        return f"made from {made.get('model')}, whose {src}" if isinstance(src, str) and src else None
+    qcfg = (_read_json(folder / "config.json") or {}).get("quantization_config")
+    method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
+    if isinstance(method, str) and QUANT_RELEASE.fullmatch(method.strip()):
         return f"config.json quantization_config.quant_method {method!r}"
-    if folder.name.endswith(".mixserve"):
+    source = _read_json(folder / SOURCE_FILE)
+    src = Path(source["gguf"]) if source and isinstance(source.get("gguf"), str) else None
+    if src is None and folder.name.endswith(".mixserve"):  # copies made before the source file existed
         src = folder.with_name(folder.name[: -len(".mixserve")])
-        if src.is_file():
+    if src is not None and src.is_file():
+        try:
             return gguf_release(src)
+        except Exception:  # a truncated or foreign file: its provenance is unknown, not an error here
+            return None
     return None
+
+
+def _read_json(path: Path) -> dict | None:
+    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def quantized_release(model: str | Path) -> str | None:
@@ -73,7 +83,7 @@ def quantized_release(model: str | Path) -> str | None:
     try:
         r = resolve_model(model, download=False)
         return gguf_release(r.path) if r.kind == "gguf" else folder_release(r.path)
-    except (OSError, ValueError):
+    except Exception:  # provenance is advice: it must never stop a load or a quantize run
         return None
 
 

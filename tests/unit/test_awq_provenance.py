@@ -93,3 +93,55 @@ def test_hf_folder_quantization_config(tmp_path):
     assert folder_release(d) is None
     (d / "config.json").write_text("not json")
     assert folder_release(d) is None
+
+
+def test_unreadable_provenance_is_unknown_not_an_error(tmp_path):
+    # a checkpoint's metadata that is JSON but not an object, and a dequantized copy beside a truncated GGUF
+    for text in ("[]", "null", '"x"', "{bad"):
+        d = tmp_path / f"ck{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "mixserve_quant.json").write_text(text)
+        assert folder_release(d) is None and quantized_release(str(d)) is None
+    good = write_float_gguf(tmp_path / "t.gguf", "Tiny AWQ")
+    copy = tmp_path / "t.gguf.mixserve"
+    copy.mkdir()
+    assert "Tiny AWQ" in folder_release(copy)
+    good.write_bytes(good.read_bytes()[:300])
+    assert folder_release(copy) is None
+
+
+def test_a_copy_in_the_cache_names_its_source(tmp_path):
+    # copies under the cache are named <file>-<size>.mixserve: the source file says where they came from
+    from mixserve.models.weights import convert_gguf
+
+    src = write_float_gguf(tmp_path / "m.gguf", "Tiny Coder 1B Instruct AWQ")
+    folder = convert_gguf(src, progress=False)
+    moved = tmp_path / "cache" / "m.gguf-12345.mixserve"
+    moved.parent.mkdir()
+    folder.rename(moved)
+    assert "Instruct AWQ" in folder_release(moved)
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("general.source.repo_url", "https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct-AWQ", True),
+    ("general.tags", ["awq", "4-bit"], True), ("general.name", "Llama-3-8B-AWQ4bit", True),
+    ("general.name", "Mistral-7B-Int4-GPTQ", True), ("general.name", "AutoAWQ-free model", False)])
+def test_release_names_in_other_keys(tmp_path, key, value, expect):
+    path = write_float_gguf(tmp_path / "m.gguf", "plain")
+    # rewrite with the extra key: GGUFWriter takes it before the tensors
+    w = gguf.GGUFReader(str(path))
+    assert w.fields["general.name"].contents() == "plain"
+    out = tmp_path / "k.gguf"
+    wr = gguf.GGUFWriter(str(out), "llama")
+    if isinstance(value, list):
+        wr.add_array(key, value)
+    else:
+        wr.add_string(key, value)
+    wr.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    from mixserve.quant.provenance import gguf_release
+
+    assert (gguf_release(out) is not None) == expect

@@ -488,3 +488,24 @@ def test_verdict_names_the_failed_premise():
     assert "1 of 4 linear groups (25%" in v and "0.950x RTN's there" in v and "+0.85" in v
     assert "AWQ is about RTN on these weights" in v and "premise fails" in v
     assert QuantReport().verdict() == "AWQ: no linear group was searched"
+
+
+def test_correlation_leaves_dead_channels_out():
+    from mixserve.quant.awq import log_magnitude_corr
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.rand(128, generator=g) + 0.5, torch.randn(64, 128, generator=g)
+    base = log_magnitude_corr(x, w)
+    x[:8], w[:, :8] = 0, 0  # channels dead on both sides would make the correlation ~ +1
+    assert abs(log_magnitude_corr(x, w) - base) < 0.2 and abs(base) < 0.3
+    assert log_magnitude_corr(torch.zeros(128), w) is None
+    assert log_magnitude_corr(torch.ones(128), w) is None  # constant: undefined
+
+
+def test_nan_weights_are_refused_before_the_search():
+    cfg = tiny_cfg(2, layers=1)
+    w = tiny_weights(cfg)
+    w["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    calib = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="NaN or inf.*up_proj"):
+        quantize_weights(cfg, w, calib, AWQConfig(group_size=32), progress=False)
