@@ -562,13 +562,15 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("quantize", help="write an int4 checkpoint (AWQ or round-to-nearest, AutoAWQ GEMM layout)")
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (dense)")
-    p.add_argument("--method", default="awq", choices=["awq", "rtn"])
+    p.add_argument("--method", default="awq", choices=["awq", "rtn"],
+                   help="awq: activation-aware scale search on calibration text; rtn: plain rounding (default awq)")
     p.add_argument("--w-bit", type=int, default=4, choices=[4])
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=128, help="input channels per scale/zero pair (default 128)")
     p.add_argument("--calib", default="pystdlib",
-                   help="pystdlib | humaneval | sharegpt | FILE (.jsonl or text: your own traffic, the best choice)")
-    p.add_argument("--calib-samples", type=int, default=32)
-    p.add_argument("--calib-seq-len", type=int, default=512)
+                   help="pystdlib | humaneval | sharegpt | FILE (.jsonl or text: your own traffic, the best choice; "
+                        "default pystdlib)")
+    p.add_argument("--calib-samples", type=int, default=32, help="calibration samples (default 32)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sample (default 512)")
     p.add_argument("--lm-head", action="store_true", help="also quantize the LM head")
     p.add_argument("--clip", default="",
                    help="AWQ: linear groups whose clipping range is searched, e.g. o,gate_up,down as in AutoAWQ "

@@ -118,7 +118,7 @@ class QuantReport:
         """One line per block: each group's α, correlation and error relative to RTN."""
         lines = []
         for layer in sorted({g["layer"] for g in self.groups}):
-            cells = [f"{g['group']} α {g['alpha']:.2f} corr {self._corr(g)} err {self._ratio(g):.3f}x"
+            cells = [f"{g['group']} α {g['alpha']:.2f} corr {self._corr(g)} err/RTN {self._ratio(g):.3f}"
                      for g in self.groups if g["layer"] == layer]
             lines.append(f"block {layer:3d}: " + " | ".join(cells))
         return lines
@@ -136,14 +136,17 @@ class QuantReport:
         ratio = lambda gs: statistics.median(self._ratio(g) for g in gs)  # noqa: E731
         corrs = [g["corr"] for g in self.groups if g["corr"] is not None]
         corr = statistics.median(corrs) if corrs else None
-        line = (f"AWQ found scales that beat RTN in {len(won)} of {n} linear groups ({len(won) / n:.0%})"
-                + (f", with median output error {ratio(won):.3f}x RTN's there" if won else "")
-                + f"; median over all groups {ratio(self.groups):.3f}x; median weight/activation log-magnitude "
-                + ("correlation n/a" if corr is None else f"correlation {corr:+.2f}"))
+        line = (f"AWQ verdict: the search found scales that beat RTN in {len(won)} of {n} linear groups "
+                f"({len(won) / n:.0%}); output error / RTN's, median: "
+                + (f"{ratio(won):.3f} in those, " if won and len(won) < n else "")
+                + f"{ratio(self.groups):.3f} over all; weight/activation log-magnitude correlation, median: "
+                + ("n/a" if corr is None else f"{corr:+.2f}"))
         if len(won) < n / 2 or ratio(self.groups) > 0.97:
             line += (". AWQ is about RTN on these weights"
                      + (": their large-activation channels already hold large weights (AWQ §3.2's premise fails)"
                         if corr is not None and corr > 0.5 else ""))
+        else:
+            line += ". AWQ's scales lower the rounding error here"
         return line
 
 
@@ -350,13 +353,14 @@ def _apply_clip(w: torch.Tensor, max_val: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: torch.Tensor | None,
-                     qc: AWQConfig, progress: bool = True) -> tuple[dict[str, torch.Tensor], QuantReport]:
+                     qc: AWQConfig, progress: bool = True, on_block=None) -> tuple[dict[str, torch.Tensor], QuantReport]:
     """Transform a dense model's weights for int4 group-wise quantization (AWQ or RTN).
 
     weights: HF-named float tensors (not modified). calib: int64 [n_samples, seq_len] token ids
     (required for AWQ). Returns (weights, report): float32 copies of the block weights with AWQ's
     scales folded in and clipping applied (RTN: unchanged), ready for `checkpoint.save_awq`, which
     does the rounding. Linears whose shape does not fit the grid are listed in report.skipped.
+    on_block: optional callable given each block's report line (QuantReport.table) as it is done.
     Raises ValueError for an unknown method or AWQ without calibration data.
     """
     if qc.method not in ("awq", "rtn"):
@@ -446,6 +450,8 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
                 mv = search_clip(feats[key][clip_idx], w[n + ".weight"], qc)
                 w[n + ".weight"] = _apply_clip(w[n + ".weight"], mv, qc.group_size)
         report.alphas.append(chosen)
+        if on_block is not None and chosen:
+            on_block(report.table()[-1])
         for k, v in w.items():
             out[p + k] = v
         x = y

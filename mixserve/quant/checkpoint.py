@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from mixserve.models.config import ModelConfig
 from mixserve.quant.awq import LINEARS, AWQConfig, QuantReport, quantize_weights
@@ -93,15 +94,46 @@ def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int)
     return cache_root() / "quantized" / f"{name}-awq-w{qc.bits}-g{qc.group_size}-{tag}-{n}x{seq_len}{clip}"
 
 
-def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, gflops: float = 55.0) -> float:
-    """Rough run time up front: the float forward over the calibration tokens, plus the α grid
-    and clip searches (bf16 matmuls, counted at 3x the float32 rate)."""
-    per_tok = 2 * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-                   + 3 * cfg.hidden_size * cfg.intermediate_size)
-    fwd = n * seq_len * per_tok
-    search = qc.n_grid * min(qc.search_tokens, n * seq_len) * per_tok
-    clip = len(qc.clip_groups) / 3 * qc.max_shrink * qc.n_grid * qc.clip_tokens * per_tok
-    return (fwd + (search + clip) / 3) * cfg.num_layers / (gflops * 1e9)
+def measure_rates(cfg: ModelConfig, group_size: int) -> dict[str, float]:
+    """This machine's cost of the search's three kinds of work, best of 3 on a weight the size of
+    the model's stacked gate/up (the cost per weight grows once a weight leaves the cache): seconds
+    per weight of one α candidate (fake_quantize(w * s) / s), and seconds per FLOP of a float32 and
+    of a bfloat16 matmul over 512 tokens. Takes a few seconds on a 1.5B model."""
+    from mixserve.quant.groupwise import fake_quantize
+
+    g = torch.Generator().manual_seed(0)
+    k = cfg.hidden_size if cfg.hidden_size % group_size == 0 else 4096
+    w, s = torch.randn(min(2 * cfg.intermediate_size, 16384), k, generator=g), torch.rand(k, generator=g) + 0.5
+    x = torch.randn(512, k, generator=g)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    flops = 2 * x.shape[0] * w.numel()
+    xb, wb = x.bfloat16(), w.bfloat16()
+    return {"grid_s_per_weight": best(lambda: fake_quantize(w * s, group_size) / s) / w.numel(),
+            "f32_s_per_flop": best(lambda: x @ w.t()) / flops,
+            "bf16_s_per_flop": best(lambda: xb @ wb.t()) / flops}
+
+
+def estimate_seconds(cfg: ModelConfig, n: int, seq_len: int, qc: AWQConfig, rates: dict[str, float]) -> float:
+    """Rough run time up front from `measure_rates`: the float32 forward over the calibration
+    tokens, the α grid (per candidate: the group's weights rounded, then a bf16 error matmul over
+    search_tokens) and the clip search, block by block."""
+    weights = (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+               + 3 * cfg.hidden_size * cfg.intermediate_size)
+    fwd = 2 * n * seq_len * weights * rates["f32_s_per_flop"]
+    per_candidate = (weights * rates["grid_s_per_weight"]
+                     + 2 * min(qc.search_tokens, n * seq_len) * weights * rates["bf16_s_per_flop"])
+    clip = (len(qc.clip_groups) / 3 * qc.max_shrink * qc.n_grid
+            * (weights * rates["grid_s_per_weight"] + 2 * qc.clip_tokens * weights * rates["bf16_s_per_flop"]))
+    return (fwd + qc.n_grid * per_candidate + clip) * cfg.num_layers
 
 
 def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int = 32, seq_len: int = 512,
@@ -135,17 +167,20 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     if out.resolve() == folder.resolve():
         raise ValueError("out: must not be the model's own folder")
     meta["source"] = str(folder.resolve())
-    done = out / "mixserve_quant.json"
-    if done.exists():
-        old = json.loads(done.read_text())
-        if all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
-            log(f"{out}: already quantized with these settings")
-            return out
     from mixserve.quant.provenance import quantized_release, release_warning
 
     warning = release_warning(model, "quantize")
     if warning:
         log(warning)
+    done = out / "mixserve_quant.json"
+    if done.exists():
+        try:
+            old = json.loads(done.read_text())
+        except (OSError, ValueError):
+            old = None
+        if isinstance(old, dict) and all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
+            log(f"{out}: already quantized with these settings" + (f"; {old['verdict']}" if old.get("verdict") else ""))
+            return out
     meta["source_release"] = quantized_release(model)
     cfg = ModelConfig.from_folder(folder)
     if json.loads((folder / "config.json").read_text()).get("quantization_config"):
@@ -164,15 +199,16 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
             log(f"calib: {calib!r} has {len(ids)} tokens: using {len(ids) // seq_len} samples, not {n_samples}")
         n = len(ids) // seq_len
         calib_ids = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+        est = estimate_seconds(cfg, n, seq_len, qc, measure_rates(cfg, qc.group_size))
         log(f"AWQ on {model}: {n} x {seq_len} calibration tokens from {calib}; expected about "
-            f"{estimate_seconds(cfg, n, seq_len, qc) / 60:.0f} min on this machine's class of CPU")
+            + (f"{est / 60:.0f} min" if est >= 90 else f"{est:.0f} s") + " on this machine (measured rates)")
     t0 = time.perf_counter()
-    new_w, report = quantize_weights(cfg, weights, calib_ids, qc, progress=progress)
+    # each block's line as it is done (above the progress bar when there is one)
+    on_block = tqdm.write if progress and log is print else log
+    new_w, report = quantize_weights(cfg, weights, calib_ids, qc, progress=progress, on_block=on_block)
     for s in report.skipped:
         log(f"left unquantized: {s}")
     if report.groups:
-        for line in report.table():
-            log(line)
         log(report.verdict())
     sd = build_state_dict(cfg, new_w, qc, report, lm_head)
     report.seconds = time.perf_counter() - t0

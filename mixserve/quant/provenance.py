@@ -97,5 +97,5 @@ def release_warning(model: str | Path, action: str) -> str | None:
         return (f"warning: {model} already comes from an AWQ/GPTQ release ({src}): its weights carry that "
                 "release's scales and rounding, so AWQ on them redoes work already done and can gain little "
                 "over RTN")
-    return (f"warning: {model} comes from an AWQ/GPTQ release ({src}): its 'unquantized' weights are already "
-            "a rounded model, so quality changes are measured against that, not the original weights")
+    return (f"warning: {model} comes from an AWQ/GPTQ release ({src}): the dense weights it starts from are "
+            "already a rounded model, so quality changes are measured against that, not the original weights")

@@ -41,7 +41,7 @@ def test_checkpoint_layout(awq_dir):
     assert meta["method"] == "awq" and meta["calib"] == "humaneval" and len(meta["alphas"]) == 30
     # the search's report: q/k/v, gate/up and down in every block (GQA: o is not scaled)
     assert len(meta["groups"]) == 90 and all(-1 <= g["corr"] <= 1 and g["err"] <= g["err_rtn"] for g in meta["groups"])
-    assert meta["verdict"].startswith("AWQ found scales that beat RTN in ") and meta["source_release"] is None
+    assert meta["verdict"].startswith("AWQ verdict: the search found scales that beat RTN in ") and meta["source_release"] is None
 
 
 def test_int4_kernel_and_dense_path_agree_on_real_weights(awq_dir):

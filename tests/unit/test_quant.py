@@ -469,7 +469,8 @@ def test_report_large_activations_on_ordinary_weights_get_scaled():
     assert {g["group"] for g in rep.groups} == {"qkv", "gate_up", "down"}  # GQA: o is not searched
     assert rep.table()[0].startswith("block   0: qkv α")
     v = rep.verdict()
-    assert v.startswith("AWQ found scales that beat RTN in 3 of 3 linear groups") and "about RTN" not in v
+    assert v.startswith("AWQ verdict: the search found scales that beat RTN in 3 of 3 linear groups")
+    assert "about RTN" not in v and "lower the rounding error" in v
 
 
 def test_report_large_activations_on_large_weights_get_alpha_zero():
@@ -485,7 +486,7 @@ def test_verdict_names_the_failed_premise():
     rep = QuantReport(groups=[{"layer": i, "group": "qkv", "corr": 0.85, "alpha": 0.0 if i else 0.1,
                                "err_rtn": 2.0, "err": 2.0 if i else 1.9} for i in range(4)])
     v = rep.verdict()
-    assert "1 of 4 linear groups (25%" in v and "0.950x RTN's there" in v and "+0.85" in v
+    assert "1 of 4 linear groups (25%" in v and "0.950 in those" in v and "+0.85" in v
     assert "AWQ is about RTN on these weights" in v and "premise fails" in v
     assert QuantReport().verdict() == "AWQ: no linear group was searched"
 
@@ -509,3 +510,24 @@ def test_nan_weights_are_refused_before_the_search():
     calib = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="NaN or inf.*up_proj"):
         quantize_weights(cfg, w, calib, AWQConfig(group_size=32), progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_fake_quantize_is_the_two_step_round_trip_bit_for_bit(dtype, group):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 256, generator=g) * torch.rand(1, 256, generator=g) * 3).to(dtype)
+    w[0, :group] = 0.0  # a constant group: the scale's lower clamp
+    w[1, :group] = 5.0
+    q, s, z = quantize_groupwise(w, group)
+    assert torch.equal(fake_quantize(w, group), dequantize_groupwise(q, s, z, torch.float32).to(dtype))
+    with pytest.raises(ValueError, match="multiple of group size"):
+        fake_quantize(w[:, :200], group)
+
+
+def test_quantize_weights_reports_each_block_as_it_goes():
+    cfg = tiny_cfg(2, layers=2)
+    lines = []
+    _, rep = quantize_weights(cfg, tiny_weights(cfg), torch.randint(0, cfg.vocab_size, (2, 16)),
+                              AWQConfig(group_size=32), progress=False, on_block=lines.append)
+    assert lines == rep.table() and len(lines) == 2
