@@ -44,6 +44,26 @@ def nll_windows(cfg, w, windows, batch=4):
     return out
 
 
+def score(cfg, w, slices: dict, base: dict) -> dict:
+    """Perplexity per slice of weights w, and the paired increase over the baseline's window NLLs:
+    {slice: {"ppl", "ci95", "delta", "delta_ci95"}}."""
+    from mixserve.bench.ppl import bootstrap
+
+    row = {}
+    for s, wins in slices.items():
+        nll = nll_windows(cfg, w, wins)
+        est, lo, hi = bootstrap(nll)
+        d, dlo, dhi = bootstrap(nll, base[s])
+        row[s] = {"ppl": est, "ci95": [lo, hi], "delta": d, "delta_ci95": [dlo, dhi]}
+    return row
+
+
+def describe(row: dict, slices) -> dict:
+    """{slice: "ppl (+delta [lo, hi])"} for printing."""
+    return {s: f"{row[s]['ppl']:.3f} (+{row[s]['delta']:.3f} [{row[s]['delta_ci95'][0]:+.3f}, "
+               f"{row[s]['delta_ci95'][1]:+.3f}])" for s in slices}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -92,15 +112,9 @@ def main():
                 k = f"model.layers.{i}.{ln}.weight"
                 if not quantizable(w[k].shape[1], w[k].shape[0], qc.group_size):
                     w[k] = fake_quantize(w[k].float(), qc.group_size, qc.bits)
-        row = {"seconds": round(secs, 1), "config": vars(qc), "alphas": rep.alphas}
-        for s, wins in slices.items():
-            nll = nll_windows(cfg, w, wins)
-            est, lo, hi = bootstrap(nll)
-            d, dlo, dhi = bootstrap(nll, base[s])
-            row[s] = {"ppl": est, "ci95": [lo, hi], "delta": d, "delta_ci95": [dlo, dhi]}
+        row = {"seconds": round(secs, 1), "config": vars(qc), "alphas": rep.alphas, **score(cfg, w, slices, base)}
         res["runs"][name] = row
-        print(name, {s: f"{row[s]['ppl']:.3f} (+{row[s]['delta']:.3f} [{row[s]['delta_ci95'][0]:+.3f}, "
-                        f"{row[s]['delta_ci95'][1]:+.3f}])" for s in slices}, f"{secs:.0f} s", flush=True)
+        print(name, describe(row, slices), f"{secs:.0f} s", flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
 

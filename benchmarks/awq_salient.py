@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--out", default="results/awq_salient.json")
     a = ap.parse_args()
 
-    from awq_ablation import nll_windows
+    from awq_ablation import describe, nll_windows, score
     from awq_common import load_dense_and_calib
 
     from mixserve.bench.ppl import bootstrap, slice_windows
@@ -111,15 +111,8 @@ def main():
                         keep = picks[name][(i, key)]
                         q[:, keep] = dense[k][:, keep]
                     w[k] = q
-        row = {}
-        for s, wins in slices.items():
-            nll = nll_windows(cfg, w, wins)
-            est, lo, hi = bootstrap(nll)
-            d, dlo, dhi = bootstrap(nll, base[s])
-            row[s] = {"ppl": est, "ci95": [lo, hi], "delta": d, "delta_ci95": [dlo, dhi]}
-        res["runs"][name] = row
-        print(name, {s: f"{row[s]['ppl']:.3f} (+{row[s]['delta']:.3f} [{row[s]['delta_ci95'][0]:+.3f}, "
-                        f"{row[s]['delta_ci95'][1]:+.3f}])" for s in slices}, flush=True)
+        res["runs"][name] = row = score(cfg, w, slices, base)
+        print(name, describe(row, slices), flush=True)
         del w
     res["seconds"] = round(time.perf_counter() - t0, 1)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
