@@ -216,11 +216,11 @@ def log_magnitude_corr(x_mean: torch.Tensor, w: torch.Tensor) -> float | None:
     near +1 when the channels with large activations already hold the largest weights, where
     scaling them up (AWQ §3.2) widens every group's range instead of protecting them.
     Channels that are zero (or not finite) on either side are left out, since two dead channels
-    would otherwise decide the result alone; None when fewer than two channels remain or either
+    would otherwise decide the result alone; None when fewer than three channels remain or either
     side is constant."""
     xs, ws = x_mean.float(), w.float().abs().mean(0)
     ok = (xs > 0) & (ws > 0) & xs.isfinite() & ws.isfinite()
-    if int(ok.sum()) < 2:
+    if int(ok.sum()) < 3:  # two points are always perfectly correlated
         return None
     lx, lw = xs[ok].log(), ws[ok].log()
     lx, lw = lx - lx.mean(), lw - lw.mean()
@@ -377,9 +377,16 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
     for i in range(cfg.num_layers):
         for n in LINEARS:
             name = f"model.layers.{i}.{n}"
-            why = quantizable(out[name + ".weight"].shape[1], out[name + ".weight"].shape[0], qc.group_size)
+            wt = out[name + ".weight"]
+            why = quantizable(wt.shape[1], wt.shape[0], qc.group_size)
             if why:
                 report.skipped.append(f"{name}: {why}")
+                continue
+            # refused here, not after the search: a range a float16 scale cannot hold
+            g = wt.float().view(wt.shape[0], -1, qc.group_size)
+            widest = (g.amax(-1) - g.amin(-1)).max().item()
+            if widest / (2 ** qc.bits - 1) > 65504:
+                raise ValueError(f"{name}: a group's range ({widest:.3g}) is too wide for a float16 scale")
     if qc.method == "rtn":
         report.seconds = time.perf_counter() - t0
         return out, report
@@ -426,8 +433,8 @@ def quantize_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], calib: 
             s, alpha, err_rtn, err = search_scale(feat[search_idx], x_mean, stacked, qc, probe)
             del probe
             if not (math.isfinite(err_rtn) and math.isfinite(err)):
-                raise ValueError(f"block {i} {key}: the quantization error is not finite ({err_rtn}): the weights "
-                                 "or the calibration activations hold NaN or inf, so there is nothing to quantize")
+                raise ValueError(f"block {i} {key}: the quantization error is not finite ({err_rtn}): the scaled "
+                                 "weights overflow a float16 scale, or the activations overflow float32")
             chosen[key] = alpha
             report.groups.append({"layer": i, "group": key, "corr": _round(log_magnitude_corr(x_mean, stacked)),
                                   "alpha": alpha, "err_rtn": err_rtn, "err": err})

@@ -29,7 +29,10 @@ _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "
 def awq_tensors(name: str, w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
     """qweight int32 [in, out/8], qzeros int32 [in/g, out/8], scales float16 [in/g, out] for a
     weight [out, in] (HF layout)."""
-    q, s, z = quantize_groupwise(w.float(), group_size)
+    try:
+        q, s, z = quantize_groupwise(w.float(), group_size)
+    except ValueError as e:
+        raise ValueError(f"{name}: cannot round to int4: {e}") from None
     return {name + ".qweight": pack_awq(q.t().contiguous()), name + ".qzeros": pack_awq(z.t().contiguous()),
             name + ".scales": s.t().contiguous()}
 
@@ -102,7 +105,7 @@ def measure_rates(cfg: ModelConfig, group_size: int) -> dict[str, float]:
     from mixserve.quant.groupwise import fake_quantize
 
     g = torch.Generator().manual_seed(0)
-    k = cfg.hidden_size if cfg.hidden_size % group_size == 0 else 4096
+    k = cfg.hidden_size if cfg.hidden_size % group_size == 0 else group_size * -(-4096 // group_size)
     w, s = torch.randn(min(2 * cfg.intermediate_size, 16384), k, generator=g), torch.rand(k, generator=g) + 0.5
     x = torch.randn(512, k, generator=g)
 
@@ -176,9 +179,11 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     if done.exists():
         try:
             old = json.loads(done.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             old = None
-        if isinstance(old, dict) and all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
+        if not isinstance(old, dict):
+            log(f"{done}: unreadable, so the run is redone")
+        elif all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
             log(f"{out}: already quantized with these settings" + (f"; {old['verdict']}" if old.get("verdict") else ""))
             return out
     meta["source_release"] = quantized_release(model)
@@ -199,9 +204,12 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
             log(f"calib: {calib!r} has {len(ids)} tokens: using {len(ids) // seq_len} samples, not {n_samples}")
         n = len(ids) // seq_len
         calib_ids = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-        est = estimate_seconds(cfg, n, seq_len, qc, measure_rates(cfg, qc.group_size))
-        log(f"AWQ on {model}: {n} x {seq_len} calibration tokens from {calib}; expected about "
-            + (f"{est / 60:.0f} min" if est >= 90 else f"{est:.0f} s") + " on this machine (measured rates)")
+        try:  # an estimate must never stop the run
+            est = estimate_seconds(cfg, n, seq_len, qc, measure_rates(cfg, qc.group_size))
+            when = (f"{est / 60:.0f} min" if est >= 90 else f"{est:.0f} s") + " on this machine (measured rates)"
+        except Exception as e:
+            when = f"an unknown time (the rates could not be measured: {e})"
+        log(f"AWQ on {model}: {n} x {seq_len} calibration tokens from {calib}; expected about {when}")
     t0 = time.perf_counter()
     # each block's line as it is done (above the progress bar when there is one)
     on_block = tqdm.write if progress and log is print else log

@@ -24,7 +24,8 @@ def quantize_groupwise(w: torch.Tensor, group_size: int = 128, bits: int = 4):
     """Quantize a weight [out, in] (in % group_size == 0) group-wise along `in`.
 
     Returns (q int32 [out, in] in [0, 2^bits - 1], scales float16 [out, in / g],
-    zeros int32 [out, in / g]). Raises ValueError when `in` is not a multiple of group_size.
+    zeros int32 [out, in / g]). Raises ValueError when `in` is not a multiple of group_size, or
+    when a group's range is too wide for a float16 scale (max - min > 15 x 65504 at 4 bits).
     """
     out_f, in_f = w.shape
     if in_f % group_size:
@@ -33,6 +34,9 @@ def quantize_groupwise(w: torch.Tensor, group_size: int = 128, bits: int = 4):
     g = w.float().reshape(out_f, in_f // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     scales = ((hi - lo).clamp(min=1e-5) / qmax).half()
+    if not torch.isfinite(scales).all():
+        raise ValueError(f"a group's range is too wide for a float16 scale (largest {(hi - lo).max().item():.3g}; "
+                         f"the limit is {qmax} x 65504) or holds NaN/inf")
     s = scales.float()
     zeros = (-torch.round(lo / s)).clamp(0, qmax)
     q = (torch.round(g / s.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, qmax)
@@ -51,7 +55,8 @@ def dequantize_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 def fake_quantize(w: torch.Tensor, group_size: int = 128, bits: int = 4) -> torch.Tensor:
     """Quantize then dequantize (same shape and dtype as w): the weight the int4 model computes with.
 
-    Bit for bit dequantize_groupwise(*quantize_groupwise(w)) in float32, computed in place in one
+    For finite inputs, bit for bit dequantize_groupwise(*quantize_groupwise(w)) in float32 (a group
+    whose float16 scale overflows gives NaN here, where quantize_groupwise refuses), computed in place in one
     weight-sized buffer: AWQ's α search calls this 20 times per linear group, and the eight
     temporaries of the two-step form (each a fresh, page-faulted allocation of the whole weight)
     took most of the search's time. Raises ValueError when `in` is not a multiple of group_size.

@@ -126,7 +126,10 @@ def make_linear(w: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype
         g = rtn_group or quant.group_size
         why = int4_supported(weight.shape[0], weight.shape[1], g)
         if why is None:
-            q, s, z = quantize_groupwise(weight.float(), g)
+            try:
+                q, s, z = quantize_groupwise(weight.float(), g)
+            except ValueError as e:
+                raise ValueError(f"{names[0].rsplit('.', 1)[0]}: cannot round to int4: {e}") from None
             return Int4Linear(q, s, z, g, bias, dtype)
         quant.dense.append(f"{names[0].rsplit('.', 2)[0]}.{label}: {why}")
     elif quant is not None and quant.method == "awq" and allow_quant and not all(is_awq):

@@ -54,15 +54,13 @@ def folder_release(folder: str | Path) -> str | None:
     if isinstance(method, str) and QUANT_RELEASE.fullmatch(method.strip()):
         return f"config.json quantization_config.quant_method {method!r}"
     source = _read_json(folder / SOURCE_FILE)
-    src = Path(source["gguf"]) if source and isinstance(source.get("gguf"), str) else None
+    src = Path(source["gguf"]) if source and isinstance(source.get("gguf"), str) and source["gguf"] else None
     if src is None and folder.name.endswith(".mixserve"):  # copies made before the source file existed
         src = folder.with_name(folder.name[: -len(".mixserve")])
-    if src is not None and src.is_file():
-        try:
-            return gguf_release(src)
-        except Exception:  # a truncated or foreign file: its provenance is unknown, not an error here
-            return None
-    return None
+    try:
+        return gguf_release(src) if src is not None and src.is_file() else None
+    except Exception:  # a truncated or foreign file, a path too long: its provenance is unknown, not an error
+        return None
 
 
 def _read_json(path: Path) -> dict | None:

@@ -531,3 +531,24 @@ def test_quantize_weights_reports_each_block_as_it_goes():
     _, rep = quantize_weights(cfg, tiny_weights(cfg), torch.randint(0, cfg.vocab_size, (2, 16)),
                               AWQConfig(group_size=32), progress=False, on_block=lines.append)
     assert lines == rep.table() and len(lines) == 2
+
+
+def test_a_range_too_wide_for_a_float16_scale_is_refused_by_name():
+    with pytest.raises(ValueError, match="too wide for a float16 scale"):
+        quantize_groupwise(torch.tensor([[0.0] * 31 + [2e6]]), 32)
+    cfg = tiny_cfg(2, layers=1)
+    w = tiny_weights(cfg)
+    w["model.layers.0.mlp.down_proj.weight"][0, 0] = 2e6
+    for method in ("awq", "rtn"):  # before any search, with the tensor's name
+        with pytest.raises(ValueError, match="down_proj.*too wide"):
+            quantize_weights(cfg, w, torch.randint(0, cfg.vocab_size, (1, 16)), AWQConfig(method=method, group_size=32),
+                             progress=False)
+
+
+def test_time_estimate_measures_any_group_size():
+    from mixserve.quant.checkpoint import estimate_seconds, measure_rates
+
+    cfg = tiny_cfg(2, hidden=96, inter=192, layers=1)  # 96 % 192 != 0 and 4096 % 192 != 0
+    rates = measure_rates(cfg, 192)
+    assert all(v > 0 for v in rates.values())
+    assert estimate_seconds(cfg, 2, 64, AWQConfig(group_size=192), rates) > 0
