@@ -20,6 +20,11 @@ after attention when v's output can absorb a scale) AWQ:
 Then every linear is quantized group-wise (groupwise.py). The next block's input is the float
 block's output, as in the reference implementation (AutoAWQ `AwqQuantizer`).
 
+What the search saw is reported per linear group (QuantReport: α, the weight/activation
+log-magnitude correlation, the objective against RTN's) with a one-line verdict, since on weights
+whose large-activation channels already hold large weights the premise of §3.2 fails and the
+search rightly picks α ≈ 0 (benchmarks/awq_diagnose.py, awq_salient.py).
+
 The objective's output error is computed as X (Q(W) - W)^T with the difference in float32 and the
 matmul in bfloat16: the error of a difference, so bf16's 3 significant digits are ample, and it is
 several times faster on CPUs with bf16 units.
@@ -27,8 +32,8 @@ several times faster on CPUs with bf16 units.
 from __future__ import annotations
 
 import math
-import time
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
