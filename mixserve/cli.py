@@ -300,12 +300,13 @@ def cmd_eval_ppl(a) -> int:
     print(eng.describe(), file=sys.stderr)
     from mixserve.quant.provenance import quantized_release, release_warning
 
-    warning = release_warning(a.model, "eval-ppl")
+    source_release = quantized_release(a.model)
+    warning = release_warning(a.model, source_release, "eval-ppl")
     if warning:
         print(warning, file=sys.stderr)
     res = evaluate(eng, slices, a.tokens_per_slice, a.seq_len)
     report = {"model": a.model, "quantization": a.quantization, "gguf_weights": gguf_weights,
-              "source_release": quantized_release(a.model),
+              "source_release": source_release,
               "weights": getattr(eng.model, "weight_format", None), "dtype": str(eng.dtype), "machine": machine_info(),
               "tokens_per_slice": a.tokens_per_slice, "seq_len": a.seq_len, "slices": res}
     print(f"{'slice':<16}{'tokens':>8}{'ppl':>10}  95% CI")

@@ -98,10 +98,12 @@ def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int)
 
 
 def measure_rates(cfg: ModelConfig, group_size: int) -> dict[str, float]:
-    """This machine's cost of the search's three kinds of work, best of 3 on a weight the size of
-    the model's stacked gate/up (the cost per weight grows once a weight leaves the cache): seconds
-    per weight of one α candidate (fake_quantize(w * s) / s), and seconds per FLOP of a float32 and
-    of a bfloat16 matmul over 512 tokens. Takes a few seconds on a 1.5B model."""
+    """This machine's cost of the search's three kinds of work, timed (kernel_choice.time_calls,
+    a median) on a weight the size of the model's stacked gate/up (the cost per weight grows once a
+    weight leaves the cache): seconds per weight of one α candidate (fake_quantize(w * s) / s), and
+    seconds per FLOP of a float32 and of a bfloat16 matmul over 512 tokens. Takes a few seconds on
+    a 1.5B model."""
+    from mixserve.layers.kernel_choice import time_calls
     from mixserve.quant.groupwise import fake_quantize
 
     g = torch.Generator().manual_seed(0)
@@ -110,13 +112,7 @@ def measure_rates(cfg: ModelConfig, group_size: int) -> dict[str, float]:
     x = torch.randn(512, k, generator=g)
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        return time_calls([None], lambda _: fn())
 
     flops = 2 * x.shape[0] * w.numel()
     xb, wb = x.bfloat16(), w.bfloat16()
@@ -172,7 +168,8 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
     meta["source"] = str(folder.resolve())
     from mixserve.quant.provenance import quantized_release, release_warning
 
-    warning = release_warning(model, "quantize")
+    source_release = quantized_release(model)
+    warning = release_warning(model, source_release, "quantize")
     if warning:
         log(warning)
     done = out / "mixserve_quant.json"
@@ -186,7 +183,7 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
         elif all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
             log(f"{out}: already quantized with these settings" + (f"; {old['verdict']}" if old.get("verdict") else ""))
             return out
-    meta["source_release"] = quantized_release(model)
+    meta["source_release"] = source_release
     cfg = ModelConfig.from_folder(folder)
     if json.loads((folder / "config.json").read_text()).get("quantization_config"):
         raise ValueError(f"model: {folder} is already quantized; quantize a dense model")

@@ -85,10 +85,9 @@ def quantized_release(model: str | Path) -> str | None:
         return None
 
 
-def release_warning(model: str | Path, action: str) -> str | None:
-    """A one-line warning for `action` ("quantize", "eval-ppl") on weights that already come from
-    an AWQ/GPTQ release, or None."""
-    src = quantized_release(model)
+def release_warning(model: str | Path, src: str | None, action: str) -> str | None:
+    """A one-line warning for `action` ("quantize", "eval-ppl") on `model`, given its
+    quantized_release evidence `src`; None when src is None."""
     if src is None:
         return None
     if action == "quantize":

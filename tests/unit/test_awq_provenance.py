@@ -51,10 +51,10 @@ def test_gguf_name_says_whether_weights_come_from_an_awq_release(tmp_path, name,
     assert (found is not None) == expect
     if expect:
         assert name in found and "general.name" in found
-        assert "redoes work already done" in release_warning(str(path), "quantize")
-        assert "already a rounded model" in release_warning(str(path), "eval-ppl")
+        assert "redoes work already done" in release_warning(str(path), found, "quantize")
+        assert "already a rounded model" in release_warning(str(path), found, "eval-ppl")
     else:
-        assert release_warning(str(path), "quantize") is None
+        assert release_warning(str(path), found, "quantize") is None
 
 
 def test_quantize_warns_and_the_checkpoint_remembers_the_release(tmp_path):
