@@ -57,9 +57,9 @@ def fake_quantize(w: torch.Tensor, group_size: int = 128, bits: int = 4) -> torc
 
     For finite inputs, bit for bit dequantize_groupwise(*quantize_groupwise(w)) in float32 (a group
     whose float16 scale overflows gives NaN here, where quantize_groupwise refuses), computed in place in one
-    weight-sized buffer: AWQ's α search calls this 20 times per linear group, and the eight
-    temporaries of the two-step form (each a fresh, page-faulted allocation of the whole weight)
-    took most of the search's time. Raises ValueError when `in` is not a multiple of group_size.
+    weight-sized buffer: AWQ's α search calls this 20 times per linear group, and the two-step
+    form makes eight temporaries the size of the weight, each a fresh, page-faulted allocation.
+    Raises ValueError when `in` is not a multiple of group_size.
     """
     out_f, in_f = w.shape
     if in_f % group_size:

@@ -4,7 +4,8 @@ AWQ (Lin et al., MLSys 2024, §3.2) folds per-channel scales into the weights be
 release made that way and shipped again (dequantized, or re-encoded as GGUF) carries those scales
 already: running AWQ on it redoes work that is done, and its "unquantized" baseline is itself a
 rounded model. mixserve's 0.5B is such a file (GGUF `general.name` "Qwen2.5 Coder 0.5B Instruct
-AWQ"), which is why AWQ finds nothing to gain there (benchmarks/awq_diagnose.py).
+AWQ"). That is not, as measured, why AWQ gains nothing there: the 1.5B, made from the original
+weights, shows the same weight/activation correlation (benchmarks/awq_diagnose.py, BENCHMARKS.md).
 
 Read from: the GGUF general.* keys (GGUF spec, "General metadata"), an HF folder's
 config.json `quantization_config.quant_method` (transformers' convention), a mixserve checkpoint's
