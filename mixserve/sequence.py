@@ -78,6 +78,10 @@ class Sequence:
     spec_accepted: int = 0
     spec_evaluated: int = 0
     spec_steps: int = 0
+    # prefix caching: the salt that separates tenants' cached blocks (a request's cache_salt) and
+    # the prompt tokens the first admission found cached (OpenAI's usage.cached_tokens)
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -70,6 +70,10 @@ class EngineArgs:
         it: one region per sequence reserved at admission, see kv/contiguous.py).
     reserve: contiguous region size: "max-model-len" (max_model_len tokens) or "max-tokens"
         (prompt + max_tokens). Ignored by the paged allocator.
+    enable_prefix_caching: automatic prefix caching (kv/block_manager.py): full KV blocks are
+        kept by content hash after their request ends and reused by later requests with the same
+        prefix (the draft model's cache follows the same rule). Always off for the contiguous
+        allocator, which cannot share blocks.
     max_scored_prompt_tokens: longest prompt for prompt logprobs (SamplingParams.prompt_logprobs,
         the server's echo + logprobs); a longer one is refused (check_request). Each scored token
         keeps its logprob and top-n alternatives until the request ends, and the answer lists them.
@@ -98,6 +102,12 @@ class EngineArgs:
     reserve: str = "max-model-len"
     kernels: str = "auto"
     max_scored_prompt_tokens: int = 8192
+    enable_prefix_caching: bool = True
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is in effect (asked for, and the allocator is paged)."""
+        return bool(self.enable_prefix_caching) and self.kv_allocator == "paged"
 
     @property
     def int4_lm_head(self) -> bool:

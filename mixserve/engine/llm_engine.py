@@ -40,7 +40,8 @@ class RequestOutput:
     prompt_logprobs: when params.prompt_logprobs is set, once the prefill is done: a TokenLogprobs
         per prompt token after the first (log p(token_i | tokens_<i)), in prompt order.
     metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
-        ttft, e2e — and num_preemptions.
+        ttft, e2e — num_preemptions, and cached_tokens (prompt tokens the prefix cache served
+        at admission; OpenAI's usage.prompt_tokens_details.cached_tokens).
     """
 
     request_id: str
@@ -111,7 +112,8 @@ class LLMEngine:
             self.block_manager = ContiguousBlockManager(self.num_blocks, args.block_size, args.reserve,
                                                         self.max_model_len)
         else:
-            self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
+            self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed,
+                                              enable_caching=args.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
         self.sampler = Sampler()
@@ -119,7 +121,8 @@ class LLMEngine:
         if args.draft_model == "ngram":
             self.proposer = NgramProposer()
         elif draft is not None:
-            dbm = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed)
+            dbm = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed,
+                               enable_caching=args.prefix_caching)
             drunner = ModelRunner(draft[1], self.draft_cfg, dbm, self.num_blocks, args.block_size, self.dtype)
             self.proposer = DraftModelProposer(drunner, dbm, self._sampling_metadata)
         if self.proposer is not None:
@@ -162,6 +165,7 @@ class LLMEngine:
                 f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB, {self.dtype})")
         if self.args.kv_allocator == "contiguous":
             text += f"; contiguous allocation, a region of {self.args.reserve} tokens per sequence"
+        text += f"; prefix caching {'on' if self.args.prefix_caching else 'off'}"
         if self.draft_cfg is not None:
             d = self.draft_cfg.kv_bytes_per_token(1) / (self.cfg.kv_bytes_per_token(1) + self.draft_cfg.kv_bytes_per_token(1))
             text += f"; {d:.0%} of it is the draft model's cache"
@@ -222,17 +226,19 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    share_prompt_with: str | None = None) -> str:
+                    share_prompt_with: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError (nothing is queued) if it cannot be served.
 
         arrival_time: time.perf_counter() seconds when the request arrived (TTFT and E2E count
         from it); default now. A server passes the time the HTTP request came in.
         share_prompt_with: the id of a queued request with the same prompt (parallel sampling,
-        n > 1): this one waits until that one's prefill is done, then shares its prompt's KV
-        blocks (reference counts; the last, partial block is copied on write) and recomputes only
-        the last prompt token to sample its own first token. Ignored (a full prefill) when that
-        request is unknown, already past its prefill, has another prompt, a draft model is on
-        (the draft's cache is not shared), or the allocator is contiguous (regions are not shared)."""
+        n > 1): with prefix caching on, this one waits until that one's prefill is done and then
+        finds its prompt's full blocks in the prefix cache, computing only the last, partial
+        block. Ignored (a prefill of its own) when caching is off, that request is unknown or
+        already past its prefill, has another prompt or salt, or this one scores its prompt.
+        cache_salt: a string mixed into the hash of this request's first KV block, so it shares
+        cached blocks only with requests of the same salt (tenant isolation; vLLM's cache_salt).
+        """
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -254,14 +260,17 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 1024):
+            raise ValueError("cache_salt: must be a non-empty string of at most 1024 characters")
         seq = Sequence(request_id, text, ids, params)
+        seq.cache_salt = cache_salt
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
         lead = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
-        if (lead is not None and lead is not seq and self.proposer is None and lead.prompt_token_ids == ids
-                and params.prompt_logprobs is None  # a follower skips the prefill that scores
-                and self.args.kv_allocator == "paged"
+        if (lead is not None and lead is not seq and self.args.prefix_caching and lead.prompt_token_ids == ids
+                and lead.cache_salt == cache_salt
+                and params.prompt_logprobs is None  # scoring computes the whole prompt anyway
                 and lead.num_computed_tokens < len(ids) and not lead.is_finished):
             self._followers.setdefault(lead.seq_id, []).append(seq)
             self._num_followers += 1
@@ -363,8 +372,9 @@ class LLMEngine:
         return logits[torch.tensor(keep, dtype=torch.long)], kept_rows, failed
 
     def _release_followers(self, seqs: list[Sequence]) -> None:
-        """Fork the prompt blocks of every leader in `seqs` whose prefill has just completed to its
-        followers, which then recompute only the last prompt token (admitted ahead of the queue)."""
+        """Queue (ahead of the others) the followers of every leader in `seqs` whose prefill has
+        just completed: its full prompt blocks are in the prefix cache now, so their admission
+        finds them and computes only the partial last block."""
         for lead in seqs:
             fs = self._followers.pop(lead.seq_id, None)
             if not fs:
@@ -372,17 +382,21 @@ class LLMEngine:
             if lead.num_computed_tokens < lead.num_prompt_tokens:
                 self._followers[lead.seq_id] = fs
                 continue
-            n = lead.num_prompt_tokens
             for f in reversed(fs):
-                self.block_manager.fork(lead.seq_id, f.seq_id)
-                self.block_manager.truncate(f.seq_id, n)
-                f.num_computed_tokens = n - 1
                 # into the waiting queue first, so that num_waiting never misses it
                 self.scheduler.waiting.appendleft(f)
                 self._num_followers -= 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix caches (target and draft). Only while no request holds blocks;
+        returns whether it was done."""
+        bms = [self.block_manager] + ([self.proposer.bm] if isinstance(self.proposer, DraftModelProposer) else [])
+        if any(b.num_used_blocks for b in bms):
+            return False
+        return all([b.reset_prefix_cache() for b in bms])
 
     # -- one iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -420,6 +434,7 @@ class LLMEngine:
         # only now: if sampling raised, the step can be rerun with nothing half-applied
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
+        self.scheduler.commit(s.seq for s in sched.scheduled)
         self._keep_scores(items, by_id)
         if self._followers:  # before any leader can finish and free its blocks
             self._release_followers([s.seq for s in sched.scheduled])
@@ -466,6 +481,9 @@ class LLMEngine:
         processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
+        self.scheduler.commit(s.seq for s in prefill)
+        if self._followers:
+            self._release_followers([s.seq for s in prefill])
         self._keep_scores(items, by_id)
         outputs, r, now = failed + self._finish_prefill_only(sched), 0, time.perf_counter()
         for it in rows:
@@ -495,6 +513,7 @@ class LLMEngine:
                 self.proposer.rollback(seq, seq.num_tokens - 1)
             outputs.append(out)
             r += m
+        self.scheduler.commit(s.seq for s in sched.scheduled)
         # verification cost = target forward + accept/reject + output handling (draft excluded)
         self.last_step_tokens = sum(it.end - it.start for it in items)
         self.controller.target.record(self.last_step_tokens, time.perf_counter() - t1)
@@ -592,6 +611,7 @@ class LLMEngine:
                 "arrival": seq.arrival_time, "first_scheduled": seq.first_scheduled_time,
                 "first_token": seq.first_token_time, "finish": seq.finish_time,
                 "ttft": ttft, "e2e": e2e, "num_preemptions": seq.num_preemptions,
+                "cached_tokens": seq.num_cached_tokens,
                 "spec_proposed": seq.spec_proposed, "spec_accepted": seq.spec_accepted,
                 "spec_evaluated": seq.spec_evaluated, "spec_steps": seq.spec_steps,
             },

@@ -123,12 +123,23 @@ class Scheduler:
         """Admit waiting sequences in order while they fit; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            # from 0, except a parallel sample that shares its leader's prompt blocks
             start = seq.num_computed_tokens
-            if not self.bm.can_append(seq.seq_id, start, start + n):
+            cached: list[int] = []
+            fresh = start == 0 and not self.bm.tables.get(seq.seq_id)
+            # prompt scoring needs every prompt position computed, so it takes no cached prefix
+            if fresh and seq.params.prompt_logprobs is None:
+                cached = self.bm.find_cached(seq.token_ids, seq.cache_salt)
+                start = len(cached) * self.bm.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not (self.bm.can_admit(cached, start + n) if cached else self.bm.can_append(seq.seq_id, start, start + n)):
                 break
             self.waiting.popleft()
+            if fresh:
+                first = seq.num_preemptions == 0
+                seq.num_computed_tokens = self.bm.acquire(seq.seq_id, cached, seq.token_ids, seq.cache_salt,
+                                                          seq.num_prompt_tokens if first else 0)
+                if first:
+                    seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             out.copies += self.bm.append_slots(seq.seq_id, start, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -155,6 +166,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def commit(self, seqs) -> None:
+        """Register the full blocks the last step computed in the prefix cache."""
+        for seq in seqs:
+            if not seq.is_finished:
+                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

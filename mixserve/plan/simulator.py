@@ -1,9 +1,12 @@
 """Discrete-event simulation of the engine over a trace, with step times from a StepModel.
 
 The policy is not re-implemented: the simulator drives the engine's own `Scheduler` and
-`BlockManager` (engine/scheduler.py, kv/block_manager.py) with token-id-free sequences, so
-continuous batching, the token budget, chunked prefill, FCFS admission, paged blocks and
-preemption by recompute are exactly the engine's. What the simulator replaces is the model: a
+`BlockManager` (engine/scheduler.py, kv/block_manager.py), so continuous batching, the token
+budget, chunked prefill, FCFS admission, paged blocks, preemption by recompute and automatic
+prefix caching (hits, LRU eviction) are exactly the engine's. Sequences carry stand-in token ids
+that only say which tokens are equal: a request's own `token_ids` when the trace gives its
+prefix structure (equal ids where its prompt, or its output, repeats another request's), else
+ids unique to the request, so the cache hits exactly what the trace says repeats. What the simulator replaces is the model: a
 step takes `step_time(StepBatch)` seconds of simulated time, and every sequence that reaches its
 last token gets one output token (greedy with ignore_eos, as `mixserve bench` runs), or, with
 speculative decoding, 1 + the accepted draft tokens drawn with per-position acceptance α.
@@ -36,6 +39,9 @@ class SimRequest:
     output_tokens: int
     arrival_s: float = 0.0
     tag: str = ""
+    # stand-in ids of prompt + output (at least prompt_tokens of them; missing output ids are
+    # made unique): equal ids mark repeated content for the prefix cache. None: all unique.
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -70,6 +76,7 @@ class SimConfig:
     num_blocks: KV blocks of `block_size` tokens. allocator: "paged" (the engine's) or
     "contiguous" (a region of `reserve` tokens taken at admission: "max-model-len" or
     "max-tokens" = prompt + max_tokens; no external fragmentation, a best case for it).
+    prefix_caching: the engine's automatic prefix caching (paged only).
     """
 
     num_blocks: int
@@ -78,6 +85,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     allocator: str = "paged"
+    prefix_caching: bool = False  # the paged allocator's automatic prefix caching
     reserve: str = "max-model-len"
     spec: SpecSettings | None = None
     seed: int = 0
@@ -142,6 +150,28 @@ class SimResult:
     duration_s: float
     rejected: list[int] = field(default_factory=list)
     report: dict = field(default_factory=dict)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
+    prefix_hits: int = 0  # of them, tokens served from it
+    recompute_hits: int = 0  # tokens preempted requests found again in the cache
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix-cache hits / prompt tokens (0 with caching off)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+_UNIQUE = 1 << 40
+
+
+def stand_in_ids(index: int, r: SimRequest) -> list[int]:
+    """Prompt + output stand-in ids of request `index`: its `token_ids`, completed with ids no
+    other request has (request index + position, kept above every real vocabulary)."""
+    total = r.prompt_tokens + r.output_tokens
+    given = list(r.token_ids or [])[:total]
+    if r.token_ids is not None and len(given) < r.prompt_tokens:
+        raise ValueError(f"request {index}: token_ids has {len(given)} ids, the prompt {r.prompt_tokens} tokens")
+    base = _UNIQUE * (index + 1)
+    return given + [base + p for p in range(len(given), total)]
 
 
 def _draw_accepted(rng: random.Random, alpha: float, k: int) -> int:
@@ -162,7 +192,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     """
     reserve: dict[int, int] = {}
     if cfg.allocator == "paged":
-        bm = BlockManager(cfg.num_blocks, cfg.block_size)
+        bm = BlockManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.prefix_caching)
     else:
         bm = ReservingAllocator(cfg.num_blocks, cfg.block_size, reserve)
     sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
@@ -174,6 +204,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     rejected = []
     order = sorted(range(n), key=lambda i: requests[i].arrival_s)
     seqs: dict[int, tuple[int, Sequence]] = {}
+    outputs: dict[int, list[int]] = {}  # seq_id -> the stand-in ids of its output tokens
     pending = []
     for i in order:
         r = requests[i]
@@ -194,8 +225,10 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         while pending and requests[pending[-1]].arrival_s <= now:
             i = pending.pop()
             r = requests[i]
-            seq = Sequence(str(i), None, [0] * r.prompt_tokens, SamplingParams(max_tokens=r.output_tokens,
-                                                                              ignore_eos=True))
+            ids = stand_in_ids(i, r)
+            seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,
+                                                                               ignore_eos=True))
+            outputs[seq.seq_id] = ids[r.prompt_tokens:]
             seq.arrival_time = r.arrival_s
             seqs[seq.seq_id] = (i, seq)
             reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
@@ -228,16 +261,18 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         steps.append((t0, now, batch.num_tokens, batch.num_seqs))
         # end and samples are read from num_computed_tokens: take them all before it moves
         done_now = [(s, s.end, s.samples) for s in out.scheduled]
+        for s, end, _ in done_now:
+            s.seq.num_computed_tokens = end
+        sched.commit(s.seq for s in out.scheduled)  # before anyone finishes, as the engine does
         for s, end, samples in done_now:
             seq = s.seq
             i = seqs[seq.seq_id][0]
-            seq.num_computed_tokens = end
             if not samples:
                 continue
             emit = 1 + (_draw_accepted(rng, cfg.spec.alpha, s.lookahead) if s.lookahead else 0)
             emit = min(emit, seq.params.max_tokens - seq.num_output_tokens)
             for _ in range(emit):
-                seq.token_ids.append(0)
+                seq.token_ids.append(outputs[seq.seq_id][seq.num_output_tokens])
                 token_steps[i].append(step)
             if first[i] is None:
                 first[i] = now
@@ -250,6 +285,8 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 # blocks past the kept tokens go back
                 seq.num_computed_tokens = seq.num_tokens - 1
                 bm.truncate(seq.seq_id, seq.num_tokens)
+        if cfg.spec is not None:
+            sched.commit(s.seq for s in out.scheduled)
         # after the step's finishes, as `mixserve bench` counts it
         peak_running = max(peak_running, len(sched.running))
     else:
@@ -262,7 +299,9 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         preempted[i] = seq.num_preemptions
     res = SimResult(metrics, token_steps, preempted, steps,
                     bm.peak_used, peak_running, sched.num_preemptions, duration, sorted(rejected))
+    res.prefix_queries, res.prefix_hits, res.recompute_hits = bm.prefix_queries, bm.prefix_hits, bm.recompute_hits
     res.report = build_report(done, duration, {"peak_kv_blocks": bm.peak_used, "kv_blocks_total": cfg.num_blocks,
+                                               "prefix_cache_hit_rate": bm.prefix_hits / max(1, bm.prefix_queries),
                                                "peak_running_seqs": peak_running,
                                                "preemptions": sched.num_preemptions, "engine_steps": len(steps),
                                                "rejected": len(rejected)})

@@ -52,26 +52,45 @@ class DraftModelProposer:
         self.meta_fn = meta_fn
         self.computed: dict[int, int] = {}
         self.num_forwards = 0
+        self._pending: list = []  # prefill chunks whose blocks are committed after their forward
         self.step_time: float | None = None  # seconds of one plain draft step, last round
+
+    def _start(self, seq: Sequence) -> int:
+        """Tokens of `seq` in the draft cache; on first sight, the draft's own prefix-cache hit
+        (the same rule as the target's: full blocks by chained hash, never the last token)."""
+        c = self.computed.get(seq.seq_id)
+        if c is None:
+            cached = self.bm.find_cached(seq.token_ids, seq.cache_salt)
+            if not self.bm.can_admit(cached, len(cached) * self.bm.block_size + 1):
+                cached = []
+            c = self.computed[seq.seq_id] = self.bm.acquire(seq.seq_id, cached, seq.token_ids, seq.cache_salt)
+        return c
+
+    def _commit(self, seq: Sequence, toks: list[int]) -> None:
+        self.bm.commit(seq.seq_id, toks, self.computed.get(seq.seq_id, 0), seq.cache_salt)
 
     def prefill(self, chunks: list[tuple[Sequence, int, int]]) -> list[BatchItem]:
         """Draft items mirroring target prefill chunks (positions [start, end)), no logits."""
         items = []
         for seq, start, end in chunks:
-            if self.computed.get(seq.seq_id, 0) != start:
+            if self._start(seq) != start:
                 continue  # behind: it catches up at its first proposal instead
             self.bm.append_slots(seq.seq_id, start, end)
             items.append(BatchItem(seq.seq_id, seq.token_ids, start, end, 0))
             self.computed[seq.seq_id] = end
+        self._pending = [(seq, seq.token_ids) for seq, _, _ in chunks]
         return items
 
     def propose(self, seqs: list[Sequence], ks: list[int], extra_items: list[BatchItem] = ()) -> list[Proposal]:
         """Propose ks[i] tokens for seqs[i] (each has all but its last token in the target cache).
         `extra_items` (draft prefill chunks) ride along in the first forward."""
         k = max(ks, default=0)
+        pending, self._pending = self._pending, []
         if k == 0:
             if extra_items:
                 self.runner.run(list(extra_items))
+            for seq, toks in pending:
+                self._commit(seq, toks)
             return [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -83,7 +102,7 @@ class DraftModelProposer:
             for i in active:
                 s, d = seqs[i], drafts[i]
                 toks = s.token_ids + d
-                start = self.computed.get(s.seq_id, 0) if step == 0 else len(toks) - 1
+                start = self._start(s) if step == 0 else len(toks) - 1
                 self.bm.append_slots(s.seq_id, start, len(toks))
                 items.append(BatchItem(s.seq_id, toks, start, len(toks), 1))
             logits, rows = self.runner.run(items)
@@ -107,7 +126,12 @@ class DraftModelProposer:
                     qs[i].append(probs[r])
                 drafts[i].append(t)
                 self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1
+            if step == 0:
+                for seq, toks in pending:
+                    self._commit(seq, toks)
             times.append(time.perf_counter() - t0)
+        for s, d in zip(seqs, drafts):
+            self._commit(s, s.token_ids + d)
         # The first forward also catches up on unseen tokens and prefill chunks; a later one is
         # the plain one-token step that the cost model wants, when there is one.
         self.step_time = min(times[1:]) if len(times) > 1 else (times[0] if not extra_items else None)

@@ -234,8 +234,10 @@ def _drain(eng):
     return done
 
 
-@pytest.mark.parametrize("prompt_len", [37, 40])  # last block partial (copied on write) / full
+@pytest.mark.parametrize("prompt_len", [37, 40])  # last block partial / full
 def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
+    """n > 1 is prefix caching's special case: the samples wait for the leader's prefill, then
+    find its full prompt blocks in the cache and compute only the last block."""
     from mixserve.engine.args import EngineArgs
     from mixserve.engine.llm_engine import LLMEngine
 
@@ -246,6 +248,7 @@ def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     eng.add_request(p, greedy, request_id="alone")
     alone = _drain(eng)["alone"].token_ids
+    assert eng.reset_prefix_cache() and eng.block_manager.num_cached_blocks == 0
     prefilled = []
     orig_run = eng.runner.run
 
@@ -257,14 +260,18 @@ def test_parallel_samples_share_the_prompt_blocks(tiny, prompt_len):
     eng.add_request(p, greedy, request_id="a")
     for r in ("b", "c"):
         eng.add_request(p, greedy, request_id=r, share_prompt_with="a")
-    eng.step()  # the leader's prefill; the followers now share its blocks
+    eng.step()  # the leader's prefill; the followers are queued behind it
+    assert prefilled == [prompt_len]
+    eng.step()  # the followers: the leader's full blocks from the cache
     bm = eng.block_manager
-    full = prompt_len // 4
+    full = (prompt_len - 1) // 4  # never the last token's block
+    rem = prompt_len - 4 * full
     lead = eng.requests["a"].seq_id
     assert all(bm.ref_counts[b] == 3 for b in bm.block_table(lead)[:full])
+    assert eng.requests["b"].num_cached_tokens == 4 * full
     out = _drain(eng)
-    assert prefilled[0] == prompt_len and prefilled[1] == 1 + 2  # leader's decode + 1 recomputed token each
-    assert sum(prefilled) == prompt_len + 2 + 3 * 11
+    assert prefilled[1] == 1 + 2 * rem  # leader's decode + the last block of each follower
+    assert sum(prefilled) == prompt_len + 2 * rem + 3 * 11
     for r in "abc":
         assert out[r].token_ids == alone
     assert bm.num_free_blocks == bm.num_blocks

@@ -93,9 +93,11 @@ def test_bad_config():
         SimConfig(num_blocks=1, allocator="buddy")
 
 
-def test_matches_the_real_engine(tmp_path):
+@pytest.mark.parametrize("caching", [False, True])
+def test_matches_the_real_engine(tmp_path, caching):
     """The same trace through LLMEngine (a tiny random model) and through the simulator: every
-    output token comes out in the same step, preemptions included."""
+    output token comes out in the same step, preemptions included, and with prefix caching the
+    same hits (a preempted request finds its own blocks again; two share a prefix)."""
     import random
 
     from mixserve import SamplingParams
@@ -107,10 +109,15 @@ def test_matches_the_real_engine(tmp_path):
     rng = random.Random(1)
     lens = [(rng.randint(3, 40), rng.randint(2, 30)) for _ in range(8)]
     eng = LLMEngine(EngineArgs(model=folder, dtype="float32", block_size=4, kv_cache_memory=24 * 4 * 512,
-                               max_num_seqs=5, max_num_batched_tokens=32, progress=False))
+                               max_num_seqs=5, max_num_batched_tokens=32, progress=False,
+                               enable_prefix_caching=caching))
     assert eng.num_blocks == 24
-    ids = [eng.add_request([rng.randrange(256) for _ in range(p)], SamplingParams(max_tokens=o, ignore_eos=True))
-           for p, o in lens]
+    toks = [[rng.randrange(256) for _ in range(p)] for p, _ in lens]
+    common = [rng.randrange(256) for _ in range(12)]  # three full blocks
+    for j in (2, 5):
+        toks[j] = common + toks[j]
+        lens[j] = (len(toks[j]), lens[j][1])
+    ids = [eng.add_request(t, SamplingParams(max_tokens=o, ignore_eos=True)) for t, (_, o) in zip(toks, lens)]
     steps = {i: [] for i in ids}
     n = 0
     while eng.has_unfinished():
@@ -118,9 +125,13 @@ def test_matches_the_real_engine(tmp_path):
             steps[o.request_id] += [n] * (len(o.token_ids) - len(steps[o.request_id]))
         n += 1
     assert eng.scheduler.num_preemptions > 0  # the budget is small enough to preempt
-    res = simulate([SimRequest(p, o) for p, o in lens],
+    res = simulate([SimRequest(p, o, token_ids=t) for (p, o), t in zip(lens, toks)],
                    SimConfig(num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=32,
-                             max_model_len=eng.max_model_len), ONE)
+                             max_model_len=eng.max_model_len, prefix_caching=caching), ONE)
     assert res.token_steps == [steps[i] for i in ids]
     assert res.num_preemptions == eng.scheduler.num_preemptions
     assert res.peak_kv_blocks == eng.block_manager.peak_used
+    bm = eng.block_manager
+    assert (res.prefix_queries, res.prefix_hits, res.recompute_hits) == (
+        bm.prefix_queries, bm.prefix_hits, bm.recompute_hits)
+    assert (bm.recompute_hits > 0) == caching

@@ -50,7 +50,9 @@ def test_prompt_logprobs_equal_float32_reference_with_chunked_prefill(tiny):
             check(o, hf, ids, 3)
             assert o.token_ids == [] and o.finish_reason == "length" and o.text == ""
         # only the prefill ran: the same forwards as the same prompts without scoring, one
-        # token each (max_tokens 1), and no forward beyond the prefill chunks
+        # token each (max_tokens 1), and no forward beyond the prefill chunks (with the prompts'
+        # cached blocks forgotten: scoring filled the prefix cache)
+        assert llm.engine.reset_prefix_cache()
         f0 = llm.engine.runner.num_forwards
         llm.generate(ps, SamplingParams(max_tokens=1, temperature=0))
         assert forwards == llm.engine.runner.num_forwards - f0
