@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-scored-prompt-tokens", type=int, default=d.max_scored_prompt_tokens,
                    help="longest prompt whose token logprobs are returned (completions echo + logprobs, "
                         "prompt scoring); longer ones are refused with a 400 (default %(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="automatic prefix caching: full KV blocks are kept by content hash and reused by later "
+                        "requests with the same prefix (default on; always off with --kv-allocator contiguous)")
     p.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="round the LM head to int4 at load in int4 models (on by default for them: the head is "
                         "a quarter of a 1.5B's int4 decode bytes otherwise); --no-quant-lm-head keeps it in the "
@@ -245,14 +248,25 @@ def cmd_serve(a) -> int:
     import uvicorn
 
     from mixserve.engine.llm_engine import LLMEngine
-    from mixserve.server.api import ServerConfig, create_app
+    from mixserve.server.api import ServerConfig, create_app, read_api_keys
     from mixserve.server.serving import GracefulServer
 
+    if a.prefix_cache_salt == "per-key" and not (a.api_keys or a.api_key or os.environ.get("MIXSERVE_API_KEY")):
+        raise ValueError("prefix_cache_salt: per-key needs API keys (--api-keys FILE or --api-key)")
+    if a.record_mix_text and not a.record_mix:
+        raise ValueError("record_mix_text: needs --record-mix FILE.jsonl")
+    if a.record_mix:
+        open(a.record_mix, "a").close()  # an unwritable path fails now, before the model loads
+    if a.api_keys:
+        read_api_keys(a.api_keys)
     eng = LLMEngine(engine_args(a))
     print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
                        api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,
-                       request_timeout=a.request_timeout, max_n=a.max_n, max_body_bytes=a.max_body_bytes)
+                       request_timeout=a.request_timeout, max_n=a.max_n, max_body_bytes=a.max_body_bytes,
+                       api_keys=read_api_keys(a.api_keys) if a.api_keys else None,
+                       prefix_cache_salt=a.prefix_cache_salt, record_mix=a.record_mix,
+                       record_mix_text=a.record_mix_text, tag_header=a.tag_header)
     # On SIGINT/SIGTERM: stop accepting, let running requests finish for shutdown_grace seconds,
     # end the rest properly (GracefulServer), then the app's lifespan stops the engine. uvicorn
     # re-raises the signal afterwards under the handler found at start: make that one a clean
@@ -559,6 +573,17 @@ def main(argv=None) -> int:
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds running requests may take to finish before they are aborted")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="named API keys, one `NAME KEY` per line; the name tags the request's trace line")
+    p.add_argument("--prefix-cache-salt", default="none", choices=["none", "per-key"],
+                   help="per-key: salt every request's prefix-cache blocks by its key, so tenants never share "
+                        "(or time) each other's cached prompts (default none: only a request's cache_salt)")
+    p.add_argument("--record-mix", default=None, metavar="FILE.jsonl",
+                   help="append one trace line per finished request (lengths, cached tokens, latency, prefix "
+                        "hashes; no text): a trace `mix describe`, `bench --dataset` and `plan --trace` read")
+    p.add_argument("--record-mix-text", action="store_true", help="also record the prompt and output text")
+    p.add_argument("--tag-header", default="x-mixserve-tag",
+                   help="request header whose value tags the request in the recorded mix (default %(default)s)")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("quantize", help="write an int4 checkpoint (AWQ or round-to-nearest, AutoAWQ GEMM layout)")

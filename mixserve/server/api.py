@@ -55,6 +55,14 @@ class ServerConfig:
     max_body_bytes: largest request body accepted (bytes); a larger one is refused with HTTP 413
         before it is read whole. The default, 8 MiB, holds a prompt at the longest context of
         any model here many times over (a 32k-token prompt is ~130 KB of text, ~400 KB as ids).
+    api_keys: named keys ({key: name}), each accepted like api_key; the name tags the request
+        (recorded mix) and, with prefix_cache_salt "per-key", salts its prefix-cache blocks.
+    prefix_cache_salt: "none" (a request's own cache_salt only) or "per-key": every request's
+        salt starts with its key's name, so one tenant never hits, and so can never time,
+        another's cached prompts (the side channel of CVE-2025-46570).
+    record_mix: a JSONL path the server appends one trace line per finished request to
+        (server/mix_record.py); record_mix_text: with the prompt and output text.
+    tag_header: the request header whose value tags a request (else the key's name, else "serve").
     """
 
     served_model_name: str
@@ -64,6 +72,50 @@ class ServerConfig:
     max_n: int = 16
     retry_after: int = 1
     max_body_bytes: int = 8 << 20
+    api_keys: dict[str, str] | None = None
+    prefix_cache_salt: str = "none"
+    record_mix: str | None = None
+    record_mix_text: bool = False
+    tag_header: str = "x-mixserve-tag"
+
+    def __post_init__(self):
+        if self.prefix_cache_salt not in ("none", "per-key"):
+            raise ValueError(f"prefix_cache_salt: none or per-key (got {self.prefix_cache_salt!r})")
+        if self.prefix_cache_salt == "per-key" and not (self.api_keys or self.api_key):
+            raise ValueError("prefix_cache_salt: per-key needs API keys (--api-keys FILE or --api-key)")
+
+    def keys(self) -> dict[str, str] | None:
+        """Every accepted key -> its name (api_key is named "default"); None: no key needed."""
+        if self.api_key is None and not self.api_keys:
+            return None
+        out = dict(self.api_keys or {})
+        if self.api_key is not None:
+            out.setdefault(self.api_key, "default")
+        return out
+
+
+def read_api_keys(path: str) -> dict[str, str]:
+    """`--api-keys FILE`: one named key per line, `NAME KEY` (whitespace between; blank lines and
+    lines starting with # skipped). Returns {key: name}. Raises ValueError naming the line for a
+    malformed line, a name or key given twice, or an empty file."""
+    out: dict[str, str] = {}
+    names = set()
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{n}: expected `NAME KEY`, got {len(parts)} fields")
+            name, key = parts
+            if key in out or name in names:
+                raise ValueError(f"{path}:{n}: {'key' if key in out else 'name ' + repr(name)} given twice")
+            out[key] = name
+            names.add(name)
+    if not out:
+        raise ValueError(f"{path}: no keys")
+    return out
 
 
 class _RequestTimeout(Exception):
@@ -88,6 +140,8 @@ class _Choice:
     finish_reason: str | None = None
     offsets: OffsetCounter = field(default_factory=OffsetCounter)  # text_offset of streamed logprobs
     prompt_logprobs: list | None = None  # echo + logprobs: the engine's prompt TokenLogprobs
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
+    metrics: dict = field(default_factory=dict)  # the last output's
 
 
 @dataclass
@@ -105,6 +159,9 @@ class _Job:
     queue: asyncio.Queue | None = None  # made on the event loop, at submit
     timer: asyncio.TimerHandle | None = None
     end_reason: str = "client_closed"  # why unfinished choices get aborted when the response ends
+    salt: str | None = None  # the prefix-cache salt of its requests
+    tag: str = "serve"
+    arrival_wall: float = 0.0  # time.time() at arrival
 
     def by_id(self) -> dict[str, _Choice]:
         return {c.request_id: c for c in self.choices}
@@ -137,6 +194,12 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                       on_step=lambda seconds, tokens: metrics.observe_step(seconds, tokens),
                       on_fail=lambda rid: metrics.errored.labels("engine_step").inc())
     metrics = ServerMetrics(engine, lambda: loop.num_waiting)
+    keys = cfg.keys()
+    recorder = None
+    if cfg.record_mix:
+        from mixserve.server.mix_record import MixRecorder
+
+        recorder = MixRecorder(cfg.record_mix, cfg.served_model_name, engine.args.block_size, cfg.record_mix_text)
     jobs: dict[str, _Job] = {}  # submitted and not yet answered, by id
     jobs_done = asyncio.Event()  # set while `jobs` is empty
     jobs_done.set()
@@ -148,14 +211,17 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         yield
         await loop.stop()
         tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if recorder is not None:
+            recorder.close()
 
     # the docs describe the API: behind the key when there is one
-    docs_open = cfg.api_key is None
+    docs_open = keys is None
     app = FastAPI(title="mixserve", lifespan=lifespan, docs_url="/docs" if docs_open else None,
                   redoc_url="/redoc" if docs_open else None, openapi_url="/openapi.json" if docs_open else None)
     app.state.engine_loop = loop
     app.state.metrics = metrics
     app.state.config = cfg
+    app.state.recorder = recorder
 
     # -- errors in OpenAI's shape ----------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -179,14 +245,21 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="internal_error").body(),
                             status_code=500)
 
-    def authorize(request: Request) -> None:
-        if cfg.api_key is None:
-            return
+    def authorize(request: Request) -> str | None:
+        """The name of the request's key (None when no key is needed); HTTP 401 without a valid one."""
+        if keys is None:
+            return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+        given = token.strip().encode()
+        name = None
+        for key, n in keys.items():  # every key compared, in constant time each
+            if secrets.compare_digest(given, key.encode()) and scheme.lower() == "bearer":
+                name = n
+        if name is None:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
                            code="invalid_api_key")
+        return name
 
     # -- plain endpoints -------------------------------------------------------------------------
     if not docs_open:
@@ -250,8 +323,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         return b"".join(parts)
 
     async def serve(request: Request, kind: str):
-        arrival = time.perf_counter()
-        authorize(request)
+        arrival, arrival_wall = time.perf_counter(), time.time()
+        key_name = authorize(request)
         refuse_if_shutting_down()
         try:
             body = json.loads(await read_body(request))
@@ -262,6 +335,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         req = parse_request(kind, body)
         # tokenization and templating off the event loop: a long prompt must not stall other streams
         job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req)
+        job.salt = request_salt(req, key_name)
+        job.tag = request.headers.get(cfg.tag_header) or key_name or "serve"
+        job.arrival_wall = arrival_wall
         refuse_if_shutting_down()
         submit(job, arrival)
         if req.stream:
@@ -271,12 +347,39 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         finally:
             finish_job(job)
 
+    def request_salt(req, key_name: str | None) -> str | None:
+        """The prefix-cache salt: the request's cache_salt, behind its key's name with per-key
+        salting (a tenant cannot choose another's salt: the name comes first, then a separator
+        no key name holds)."""
+        if req.cache_salt is not None and (not req.cache_salt or len(req.cache_salt) > 1024):
+            raise bad_request("cache_salt", "cache_salt: must be a non-empty string of at most 1024 characters")
+        if cfg.prefix_cache_salt == "per-key":
+            return f"key:{key_name}\n{req.cache_salt or ''}"
+        return req.cache_salt
+
+    def record(job: _Job) -> None:
+        for c in job.choices:
+            m = c.metrics
+            n = len(c.token_ids)
+            tpot = (m["e2e"] - m["ttft"]) / (n - 1) if m.get("e2e") is not None and m.get("ttft") is not None \
+                and n > 1 else None
+            recorder.record(arrival_wall=job.arrival_wall, prompt_ids=c.prompt_ids, output_ids=c.token_ids,
+                            cached_tokens=c.cached_tokens, finish_reason=c.finish_reason, ttft_s=m.get("ttft"),
+                            tpot_s=tpot, tag=job.tag, salt=job.salt,
+                            prompt_text=prompt_text(job, c) if cfg.record_mix_text else None,
+                            output_text="".join(c.text) if cfg.record_mix_text else None)
+
     def refuse_if_shutting_down() -> None:
         if not accepting:
             raise APIError(503, "server shutting down", type="server_error", code="server_shutting_down")
 
     def finish_job(job: _Job) -> None:
         abort(job, job.end_reason)
+        if recorder is not None and jobs.get(job.id) is job:
+            try:
+                record(job)
+            except Exception:  # a full disk must not fail the request that was served
+                log.exception("record-mix: could not write the trace line")
         jobs.pop(job.id, None)
         if not jobs:
             jobs_done.set()
@@ -302,8 +405,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         """Check everything and build the job: one engine request per prompt and sample.
 
         n > 1 runs n engine requests (seeds seed, seed+1, ... when a seed is given); samples after
-        the first share its prompt's KV blocks (copy-on-write on the last partial block) instead of
-        prefilling again, unless a draft model is on.
+        the first wait for its prefill and take its full prompt blocks from the prefix cache
+        (engine.add_request's share_prompt_with) instead of prefilling again.
         """
         if req.model != cfg.served_model_name:
             raise bad_request("model", f"model: {req.model!r} is not served here; use {cfg.served_model_name!r}",
@@ -404,7 +507,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             first: dict[int, str] = {}  # prompt index -> its first sample's request id
             for c, sp in zip(job.choices, job.params):
                 loop.add(c.request_id, c.prompt_ids, sp, arrival, job.queue,
-                         share_prompt_with=first.get(c.prompt_index))
+                         share_prompt_with=first.get(c.prompt_index), cache_salt=job.salt)
                 first.setdefault(c.prompt_index, c.request_id)
                 added.append(c)
         except ServerOverloaded as e:
@@ -459,6 +562,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         c.text.append(out.new_text)
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs
+        c.cached_tokens = out.metrics.get("cached_tokens", 0)
+        c.metrics = out.metrics
         if out.finished:
             c.finish_reason = out.finish_reason
         return new_ids, new_lps
@@ -519,7 +624,14 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     def usage(job: _Job) -> dict:
         prompt = sum(len(ids) for _, ids in job.prompts)
         completion = sum(len(c.token_ids) for c in job.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # a prompt counts once (as prompt_tokens does): its first sample's cached tokens
+        cached, seen = 0, set()
+        for c in job.choices:
+            if c.prompt_index not in seen:
+                seen.add(c.prompt_index)
+                cached += c.cached_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def prompt_text(job: _Job, c: _Choice) -> str:
         text, ids = job.prompts[c.prompt_index]

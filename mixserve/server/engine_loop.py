@@ -117,13 +117,14 @@ class EngineLoop:
     # -- requests (event loop side) --------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             arrival_time: float | None = None, out: asyncio.Queue | None = None,
-            share_prompt_with: str | None = None) -> asyncio.Queue:
+            share_prompt_with: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Queue a request whose prompt and params passed `engine.check_request`.
 
         arrival_time: time.perf_counter() seconds of its arrival (default now). out: the queue
         that receives its RequestOutputs (the last one `finished`), or an EngineFailure if the
         engine fails it; several requests may share one (n > 1). share_prompt_with: an earlier
         request of the same prompt whose prompt KV blocks this one shares (engine.add_request).
+        cache_salt: the prefix-cache salt (engine.add_request).
         Returns that queue.
         Raises ServerOverloaded when `max_waiting` requests already wait, RuntimeError when the
         loop is not running.
@@ -135,7 +136,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         self._adds_sent += 1
         self._commands.put(("add", request_id, prompt_ids, params, arrival_time or time.perf_counter(),
-                            share_prompt_with))
+                            share_prompt_with, cache_salt))
         return stream.queue
 
     def abort(self, request_id: str) -> bool:
@@ -161,9 +162,10 @@ class EngineLoop:
                     self._shutdown()
                     return
                 if cmd[0] == "add":
-                    _, rid, ids, params, arrival, lead = cmd
+                    _, rid, ids, params, arrival, lead, salt = cmd
                     try:
-                        eng.add_request(ids, params, request_id=rid, arrival_time=arrival, share_prompt_with=lead)
+                        eng.add_request(ids, params, request_id=rid, arrival_time=arrival, share_prompt_with=lead,
+                                        cache_salt=salt)
                     except Exception as e:  # checked before sending, so only a race or a bug lands here
                         failures.append((rid, str(e)))
                     self._adds_applied += 1

@@ -46,6 +46,19 @@ class _EngineCollector:
         yield CounterMetricFamily("mixserve_generation_tokens", "Generated tokens (aborted requests' included).",
                                   value=eng.num_generated_tokens)
         yield CounterMetricFamily("mixserve_engine_steps", "Engine steps run.", value=eng.num_steps)
+        yield CounterMetricFamily("mixserve_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache (tokens, first admissions).",
+                                  value=bm.prefix_queries)
+        yield CounterMetricFamily("mixserve_prefix_cache_hits",
+                                  "Of the prefix-cache queries, tokens served from the cache (tokens).",
+                                  value=bm.prefix_hits)
+        idle = len(bm.evictable)
+        g = GaugeMetricFamily("mixserve_prefix_cache_blocks",
+                              "KV blocks registered in the prefix cache: in_use (held by a request) or evictable "
+                              "(held by none, reused until their memory is needed).", labels=["state"])
+        g.add_metric(["in_use"], bm.num_cached_blocks - idle)
+        g.add_metric(["evictable"], idle)
+        yield g
 
 
 class ServerMetrics:

@@ -49,7 +49,9 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extensions min_tokens,
-    ignore_eos, top_k, min_p, repetition_penalty, and return_token_ids)."""
+    ignore_eos, top_k, min_p, repetition_penalty, return_token_ids, and cache_salt: a string
+    mixed into the prefix cache's block hashes, so only requests with the same salt share
+    cached KV blocks)."""
 
     model: str
     temperature: float = 1.0
@@ -68,6 +70,7 @@ class _Sampling(_Strict):
     min_tokens: int = 0
     ignore_eos: bool = False
     return_token_ids: bool = False
+    cache_salt: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -37,7 +37,8 @@ def test_token_prompts_spec_metrics_and_no_tokenizer(tiny_server):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["prompt_token_ids"] for c in body["choices"]] == [prompts[0]] * 2 + [prompts[1]] * 2
     assert all(len(c["token_ids"]) == 20 for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens": 24 + 15, "completion_tokens": 80, "total_tokens": 24 + 15 + 80}
+    assert body["usage"] == {"prompt_tokens": 24 + 15, "completion_tokens": 80, "total_tokens": 24 + 15 + 80,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # greedy: both samples of a prompt agree
     assert body["choices"][0]["token_ids"] == body["choices"][1]["token_ids"]
     text = httpx.get(url + "/metrics", timeout=60).text
