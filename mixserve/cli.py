@@ -211,7 +211,8 @@ def cmd_bench(a) -> int:
                         "kv_cache_memory": a.kv_cache_memory, "max_num_seqs": a.max_num_seqs,
                         "max_num_batched_tokens": a.max_num_batched_tokens, "draft_model": a.draft_model,
                         "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation,
-                        "kv_allocator": a.kv_allocator, "reserve": a.reserve}
+                        "kv_allocator": a.kv_allocator, "reserve": a.reserve,
+                        "enable_prefix_caching": eng.args.prefix_caching}
     report["machine"] = machine_info()
     print(format_table(report))
     ex = report["extra"]
@@ -219,6 +220,8 @@ def cmd_bench(a) -> int:
         print(f"[{tag}] {r['num_requests']} requests, {r['output_tokens']} output tokens, "
               f"TTFT p50 {r['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {r['tpot_s']['p50'] * 1e3:.1f} ms, "
               f"E2E p50 {r['e2e_s']['p50']:.2f} s")
+    print(f"prefix cache {'on' if ex['prefix_caching'] else 'off'}: hit rate {ex['prefix_cache_hit_rate']:.1%} "
+          f"({ex['prefix_cache_hits']} of {ex['prefix_cache_queries']} prompt tokens served from cached blocks)")
     if "spec_alpha" in ex:
         print(f"speculation: proposed {ex['spec_proposed']}, accepted {ex['spec_accepted']}, "
               f"alpha {ex['spec_alpha']:.3f}, mean accepted per step {ex['spec_mean_accepted_per_step']:.2f}, "
@@ -474,6 +477,7 @@ def _measure_spec(a) -> dict:
 
 def cmd_mix_describe(a) -> int:
     from mixserve.data.datasets import load_dataset
+    from mixserve.data.prefix import reuse_share, stand_ins
     from mixserve.data.trace import describe_requests, format_description, plot_histograms
     from mixserve.models.weights import load_tokenizer
 
@@ -485,7 +489,16 @@ def cmd_mix_describe(a) -> int:
     reqs = load_dataset(a.trace, tok, num, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
     d = describe_requests(reqs)
+    items = stand_ins(reqs, tok)
+    d["prefix_cache"] = reuse_share(items, a.block_size)
+    d["prefix_cache"]["block_size"] = a.block_size
+    if any(r.conversation for r in reqs):  # the prompt sent holds the conversation so far
+        d["prompt_tokens_sent"] = sum(it.prompt_tokens for it in items)
     print(format_description(d, a.trace))
+    pc = d["prefix_cache"]
+    print(f"prefix cache: {pc['share']:.1%} of {pc['prompt_tokens']} prompt tokens"
+          f"{' (as sent, conversation so far included)' if 'prompt_tokens_sent' in d else ''} would be served from "
+          f"cached {a.block_size}-token blocks (an unbounded cache, requests in trace order)")
     if a.png:
         print(f"wrote {plot_histograms(reqs, a.png, title=Path(a.trace).name)}")
     if a.json:
@@ -501,12 +514,24 @@ def cmd_mix_sample(a) -> int:
     if a.request_rate is not None and not a.request_rate > 0:
         raise ValueError(f"request_rate: must be > 0 requests/s (got {a.request_rate})")
     tok = None
-    if a.source == "sharegpt":
+    if a.source in ("sharegpt", "sharegpt-multiturn"):
         from mixserve.models.weights import load_tokenizer
 
         tok = load_tokenizer(a.model)
-    lines = sample_requests(a.source, a.num, seed=a.seed, tokenizer=tok, output_len_cap=a.output_len_cap,
-                            max_prompt_len=a.max_prompt_len)
+    if a.source == "sharegpt-multiturn":
+        from mixserve.data.prefix import multiturn_lines
+
+        if a.request_rate is not None:
+            raise ValueError("request_rate: a multi-turn trace is closed-loop (each turn follows the last answer)")
+        lines = multiturn_lines(tok, a.num, seed=a.seed, min_turns=a.min_turns, max_turns=a.max_turns,
+                                max_message_tokens=a.max_message_len, output_len_cap=a.output_len_cap)
+    elif a.source == "shared-system-prompt":
+        from mixserve.data.prefix import shared_system_prompt_lines
+
+        lines = shared_system_prompt_lines(a.num, a.system_prompts, a.system_prompt_len, seed=a.seed)
+    else:
+        lines = sample_requests(a.source, a.num, seed=a.seed, tokenizer=tok, output_len_cap=a.output_len_cap,
+                                max_prompt_len=a.max_prompt_len)
     if a.request_rate is not None:
         add_arrivals(lines, a.request_rate, seed=a.seed)
     print(f"wrote {len(lines)} requests to {write_trace(lines, a.out)}")
@@ -680,12 +705,23 @@ def main(argv=None) -> int:
     q.add_argument("--seed", type=int, default=0, help="ShareGPT sampling seed")
     q.add_argument("--output-len-cap", type=int, default=256, help="as in bench: cap on max_tokens from a data set")
     q.add_argument("--max-prompt-len", type=int, default=1024, help="as in bench: skip longer ShareGPT prompts")
+    q.add_argument("--block-size", type=int, default=16, help="KV block size for the prefix-cache share")
     q.add_argument("--png", default=None, help="write prompt/output length histograms to this PNG")
     q.add_argument("--json", default=None, help="write the summary as JSON")
     q.set_defaults(fn=cmd_mix_describe)
     q = mix.add_parser("sample", help="write a JSONL trace from a data set or a synthetic mix, seeded")
-    q.add_argument("--source", required=True, choices=["sharegpt", "humaneval", "synthetic-long-prompt"],
-                   help="synthetic-long-prompt: 1500-3000 prompt tokens, 16-64 output tokens")
+    q.add_argument("--source", required=True, choices=["sharegpt", "humaneval", "synthetic-long-prompt",
+                                                        "sharegpt-multiturn", "shared-system-prompt"],
+                   help="synthetic-long-prompt: 1500-3000 prompt tokens, 16-64 output tokens; sharegpt-multiturn: "
+                        "--num conversations of >= --min-turns user turns, replayed closed-loop; "
+                        "shared-system-prompt: --num requests behind --system-prompts prompts of "
+                        "--system-prompt-len tokens")
+    q.add_argument("--min-turns", type=int, default=4, help="sharegpt-multiturn: fewest user turns (default 4)")
+    q.add_argument("--max-turns", type=int, default=6, help="sharegpt-multiturn: turns kept per conversation")
+    q.add_argument("--max-message-len", type=int, default=256,
+                   help="sharegpt-multiturn: skip conversations with a longer user message (tokens)")
+    q.add_argument("--system-prompts", type=int, default=4, help="shared-system-prompt: how many (default 4)")
+    q.add_argument("--system-prompt-len", type=int, default=512, help="shared-system-prompt: tokens each")
     q.add_argument("--num", "--num-prompts", type=int, default=200, dest="num",
                    help="requests to write (humaneval: its first N problems, as bench --dataset humaneval)")
     q.add_argument("--seed", type=int, default=0,

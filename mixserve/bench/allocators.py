@@ -36,7 +36,9 @@ def compare_allocators(args: EngineArgs, requests: list[BenchRequest], temperatu
         raise ValueError("requests: nothing to run")
     loaded = loaded or load_model(args.model, parse_dtype(args.dtype), args.max_model_len, args.progress,
                                   args.quantization, args.quant_group_size, args.int4_lm_head, args.gguf_weights)
-    variants = [replace(args, kv_allocator=a, reserve=r or args.reserve) for a, r in VARIANTS]
+    # prefix caching off in every run: the comparison measures paging alone
+    variants = [replace(args, kv_allocator=a, reserve=r or args.reserve, enable_prefix_caching=False)
+                for a, r in VARIANTS]
     runs, paged_ids = [], None
     for i, va in enumerate(variants):
         eng = LLMEngine(va, loaded)

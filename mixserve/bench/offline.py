@@ -6,6 +6,7 @@ import time
 from tqdm import tqdm
 
 from mixserve.data.datasets import BenchRequest
+from mixserve.data.prefix import chat_ids, conversation_messages
 from mixserve.bench.metrics import RequestMetrics, build_report
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage
@@ -24,17 +25,44 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     of reserved slot-seconds that held no K/V, sum(step s * (reserved - written)) /
     sum(step s * reserved) with each sample weighted by the wall time of the step before it;
     `kv_waste_pct_at_peak` is the waste after the first step that reached `peak_running_seqs`.
-    Engine counters (preemptions, steps, peak blocks) count this run only. `requests`: per request
-    (request order) its tag, token counts, TTFT, TPOT and end-to-end seconds.
+    Engine counters (preemptions, steps, peak blocks, prefix-cache queries and hits) count this run
+    only. `requests`: per request (request order) its tag, token counts (cached_tokens: prompt
+    tokens the prefix cache served), turn, TTFT, TPOT and end-to-end seconds.
+
+    A multi-turn conversation (BenchRequest.conversation) runs closed-loop: its first turn at
+    the start, each later turn when the one before has finished, its prompt the chat template
+    over the conversation with the model's own replies (data/prefix.py); TTFT counts from then.
     """
-    ids = []
+    def params(i: int, r: BenchRequest) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
+                              seed=None if seed is None else seed + i)
+
+    # a conversation's turns go in one at a time (closed loop): the next when the last has finished
+    turns: dict[str, list[int]] = {}
     for i, r in enumerate(requests):
-        sp = SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
-                            seed=None if seed is None else seed + i)
-        ids.append(engine.add_request(r.prompt, sp))
+        if r.conversation is not None:
+            turns.setdefault(r.conversation, []).append(i)
+    if turns and engine.tokenizer is None:
+        raise ValueError("trace: a multi-turn conversation needs the model's tokenizer and chat template")
+    history: dict[str, list[tuple[str, str]]] = {c: [] for c in turns}
+    ids: list[str | None] = [None] * len(requests)
+    index: dict[str, int] = {}
+
+    def send(i: int) -> None:
+        r = requests[i]
+        prompt = r.prompt if r.conversation is None else chat_ids(
+            engine.tokenizer, conversation_messages(r, history[r.conversation]))
+        ids[i] = engine.add_request(prompt, params(i, r))
+        index[ids[i]] = i
+
+    for i, r in enumerate(requests):
+        if r.conversation is None or turns[r.conversation][0] == i:
+            send(i)
     t0 = time.perf_counter()
     for rid in ids:  # offline: everything arrives when the run starts
-        engine.requests[rid].arrival_time = t0
+        if rid is not None:
+            engine.requests[rid].arrival_time = t0
+    q0, h0 = engine.block_manager.prefix_queries, engine.block_manager.prefix_hits
     finals = {}
     bar = tqdm(total=len(ids), desc="bench", unit="req", disable=not progress)
     bm, sched = engine.block_manager, engine.scheduler
@@ -56,6 +84,13 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
             if o.finished:
                 finals[o.request_id] = o
                 bar.update(1)
+                r = requests[index[o.request_id]]
+                if r.conversation is not None:
+                    history[r.conversation].append((r.prompt, o.text))
+                    left = turns[r.conversation]
+                    left.pop(0)
+                    if left:
+                        send(left[0])
     duration = time.perf_counter() - t0
     bar.close()
     outs = [finals[r] for r in ids]
@@ -70,6 +105,11 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         "kv_waste_pct_at_peak": 100 * waste_at_peak,
         "preemptions": sched.num_preemptions - preemptions0,
         "engine_steps": engine.num_steps - steps0,
+        "prefix_caching": engine.args.prefix_caching,
+        "prefix_cache_queries": bm.prefix_queries - q0,
+        "prefix_cache_hits": bm.prefix_hits - h0,
+        # hits / prompt tokens looked up, from the engine's counters
+        "prefix_cache_hit_rate": (bm.prefix_hits - h0) / max(1, bm.prefix_queries - q0),
     }
     if engine.proposer is not None:
         m = [o.metrics for o in outs]
@@ -86,7 +126,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     # per request, in request order: what the percentiles summarize (a planner's per-request
     # prediction is compared against these, and a median that falls between clusters shows here)
     report["requests"] = [{"tag": r.tag, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
-                           "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e} for m, r in zip(metrics, requests)]
+                           "cached_tokens": o.metrics.get("cached_tokens", 0), "turn": r.turn,
+                           "ttft_s": m.ttft, "tpot_s": m.tpot, "e2e_s": m.e2e}
+                          for m, r, o in zip(metrics, requests, outs)]
     tags = sorted({r.tag for r in requests})
     if len(tags) > 1:  # a user's own mix: the same measures per slice, over the same wall time
         report["per_tag"] = {t: build_report([m for m, r in zip(metrics, requests) if r.tag == t], duration)

@@ -68,6 +68,15 @@ class BenchRequest:
         ``arrival_s``), or None when the request has no arrival time of its own.
     synthetic: the prompt text is made up (a trace line gave ``prompt_tokens``,
         not text): its length is the user's, its content is not.
+    prefix_group, prefix_tokens: the first ``prefix_tokens`` tokens of the
+        prompt are those of every request of the same group (a shared system
+        prompt); see data/prefix.py.
+    conversation, turn, system: a multi-turn conversation replayed closed-loop:
+        ``prompt`` is this turn's user message; the prompt sent is the chat
+        template over the system message, the earlier turns and the model's
+        own replies to them, and turn t is sent when turn t - 1 has finished.
+    block_hashes, block_size: a recorded request's chained block hashes
+        (server/mix_record.py): which of its blocks repeat others', no text.
     """
 
     prompt: str
@@ -77,6 +86,13 @@ class BenchRequest:
     ref_output_len: int | None = None
     arrival_s: float | None = None
     synthetic: bool = False
+    prefix_group: str | None = None
+    prefix_tokens: int = 0
+    conversation: str | None = None
+    turn: int | None = None
+    system: str | None = None
+    block_hashes: list[str] | None = None
+    block_size: int | None = None
 
 
 # --------------------------------------------------------------------------
@@ -572,6 +588,11 @@ def load_jsonl(
       as ``ref_output_len``). Lines with neither get ``default_max_tokens``.
     - ``arrival_s``: optional, seconds (>= 0) from the start of the trace.
     - ``tag``: optional slice name (default "jsonl").
+    - prefix structure, optional (BenchRequest, data/prefix.py): ``prefix_group``
+      and ``prefix_tokens``; ``conversation``, ``turn`` (and ``system``) for a
+      closed-loop multi-turn conversation; ``block_hashes`` and ``block_size``
+      from a recorded mix. Other fields (a recorded line's latencies, model,
+      finish reason) are read by nobody and left alone.
 
     Blank lines are skipped. Any bad line (also one that is not UTF-8, or
     ``prompt_tokens`` over ``MAX_TRACE_PROMPT_TOKENS``) raises ValueError
@@ -630,9 +651,45 @@ def load_jsonl(
                         or not math.isfinite(arrival) or arrival < 0):
                     raise ValueError(f"{where}: 'arrival_s' must be a number of seconds >= 0, got {arrival!r}")
                 arrival = float(arrival)
-            out.append(BenchRequest(prompt, max_tokens, plen, tag, ref, arrival,
-                                    synthetic=obj.get("prompt_tokens") is not None))
+            br = BenchRequest(prompt, max_tokens, plen, tag, ref, arrival, synthetic=obj.get("prompt_tokens") is not None)
+            _prefix_fields(br, obj, where, tokenizer, lineno)
+            out.append(br)
     return out
+
+
+def _prefix_fields(br: BenchRequest, obj: dict, where: str, tokenizer: Any, lineno: int) -> None:
+    """The optional prefix-structure fields of a trace line (see BenchRequest); a synthetic
+    prompt of a prefix group is rebuilt as the group's shared text + its own."""
+    import zlib
+
+    group = obj.get("prefix_group")
+    if group is not None:
+        if not isinstance(group, str) or not group:
+            raise ValueError(f"{where}: 'prefix_group' must be a non-empty string, got {group!r:.60}")
+        n = _positive_int(obj.get("prefix_tokens"), "'prefix_tokens'", where)
+        if br.prompt_len >= 0 and n > br.prompt_len:
+            raise ValueError(f"{where}: 'prefix_tokens' ({n}) exceeds the prompt ({br.prompt_len} tokens)")
+        br.prefix_group, br.prefix_tokens = group, n
+        if br.synthetic:
+            shared = synthetic_prompt(tokenizer, n, seed=zlib.crc32(group.encode()) + (1 << 33))
+            rest = br.prompt_len - n
+            br.prompt = shared + (" " + synthetic_prompt(tokenizer, rest, seed=lineno) if rest else "")
+            br.prompt_len = count_tokens(tokenizer, br.prompt)
+    conv = obj.get("conversation")
+    if conv is not None:
+        if not isinstance(conv, str) or not conv:
+            raise ValueError(f"{where}: 'conversation' must be a non-empty string, got {conv!r:.60}")
+        br.conversation, br.turn = conv, _positive_int(obj.get("turn"), "'turn'", where)
+        system = obj.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"{where}: 'system' must be a string, got {system!r:.60}")
+        br.system = system
+    hashes = obj.get("block_hashes")
+    if hashes is not None:
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and h for h in hashes):
+            raise ValueError(f"{where}: 'block_hashes' must be a list of hex strings")
+        br.block_hashes = hashes
+        br.block_size = _positive_int(obj.get("block_size"), "'block_size'", where)
 
 
 # --------------------------------------------------------------------------

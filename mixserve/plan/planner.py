@@ -52,6 +52,7 @@ class Variant:
     allocator: str = "paged"
     reserve: str = "max-model-len"
     spec: SpecSettings | None = None
+    prefix_caching: bool = False  # the engine's automatic prefix caching (simulated, not assumed)
 
 
 @dataclass
@@ -122,7 +123,8 @@ class Planner:
         blocks = kv_budget(self.cfg, self.sm, ps, v.fmt, self.hw) // (ps.block_size * self.kv_token_bytes)
         return SimConfig(num_blocks=max(1, blocks), block_size=ps.block_size, max_num_seqs=ps.max_num_seqs,
                          max_num_batched_tokens=ps.max_num_batched_tokens, max_model_len=ps.max_model_len,
-                         allocator=v.allocator, reserve=v.reserve, spec=v.spec, seed=ps.seed)
+                         allocator=v.allocator, reserve=v.reserve, spec=v.spec, seed=ps.seed,
+                         prefix_caching=v.prefix_caching)
 
     def run(self, v: Variant, rate: float | None = None, reqs: list[SimRequest] | None = None) -> SimResult:
         """One simulation: rate None = the trace's own arrival times (all at 0 when it has none)."""
@@ -190,6 +192,7 @@ class Planner:
                "reserve": v.reserve if v.allocator == "contiguous" else None,
                "spec": None if v.spec is None else vars(v.spec),
                "kv_blocks": self.sim_config(v).num_blocks, "offline": off.report,
+               "prefix_caching": v.prefix_caching, "prefix_hit_rate": off.prefix_hit_rate,
                "single_stream_tpot_s": self.single_stream_tpot(v) if fits else float("nan")}
         if fits and any(r.arrival_s > 0 for r in self.reqs):
             out["trace_arrivals"] = self.run(v).report
@@ -275,17 +278,28 @@ def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 
     tok = AutoTokenizer.from_pretrained(str(folder))
     reqs = load_dataset(trace, tok, num_prompts, seed=seed, output_len_cap=output_len_cap,
                         max_prompt_len=max_prompt_len)
+    return sim_requests(reqs, tok)
+
+
+def sim_requests(reqs, tokenizer) -> list[SimRequest]:
+    """BenchRequests -> SimRequests with the trace's prefix structure as stand-in token ids
+    (data/prefix.stand_ins): shared groups, recorded block hashes, repeated text and, for a
+    multi-turn conversation, each turn's prompt as sent (the conversation so far) following the
+    turn before it (closed loop)."""
+    from mixserve.data.prefix import stand_ins
+
     out = []
-    for br in reqs:
-        n = br.prompt_len if br.prompt_len >= 0 else len(tok.encode(br.prompt))
+    for br, it in zip(reqs, stand_ins(reqs, tokenizer)):
         arrival = getattr(br, "arrival_s", None)
-        out.append(SimRequest(max(1, n), br.max_tokens, float(arrival or 0.0), br.tag))
+        out.append(SimRequest(it.prompt_tokens, br.max_tokens, float(arrival or 0.0), br.tag,
+                              token_ids=it.token_ids, after=it.after))
     return out
 
 
 def default_variants(spec: SpecSettings, group_size: int = 128, gguf: WeightFormat | None = None) -> list[Variant]:
-    """Baseline (paged, bf16) and one variant per optimization; with `gguf` (a GGUF model's
-    cost_model.gguf_format) also its quantized tensors as stored."""
+    """Baseline (paged, bf16, prefix caching off) and one variant per optimization (prefix
+    caching among them: its hit rate comes out of the simulated cache); with `gguf` (a GGUF
+    model's cost_model.gguf_format) also its quantized tensors as stored."""
     extra = [Variant(f"GGUF as stored ({gguf.label})", fmt=gguf)] if gguf is not None else []
     return [
         Variant("baseline (paged, bf16)"),
@@ -293,6 +307,7 @@ def default_variants(spec: SpecSettings, group_size: int = 128, gguf: WeightForm
         Variant("contiguous, reserve max-tokens", allocator="contiguous", reserve="max-tokens"),
         Variant(f"speculative (alpha {spec.alpha:.3g}, k<={spec.k_max}, c {spec.draft_cost:.3g})", spec=spec),
         Variant(f"AWQ w4 (g{group_size})", fmt=WeightFormat("int4", group_size)),
+        Variant("prefix caching", prefix_caching=True),
     ] + extra
 
 
@@ -348,6 +363,9 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         else:
             row = {"optimization": name, "throughput_x": gain(e, thr), "max_rate_x": gain(e, rate),
                    "single_stream_x": gain(e, tpot1)}
+        if e.get("prefix_caching"):
+            ttft = lambda x: 1.0 / x["offline"]["ttft_s"]["p50"]  # noqa: E731
+            row.update(ttft_p50_x=gain(e, ttft), prefix_hit_rate=e["prefix_hit_rate"])
         rows.append(row)
     rows.sort(key=lambda r: (-(r["max_rate_x"] if r["max_rate_x"] == r["max_rate_x"] else 0), -r["throughput_x"]))
     typ = typical_batches(base["_offline"], reqs, ps)

@@ -51,10 +51,12 @@ def format_table(plan: dict) -> str:
                      f"{_ms(d['step_s'])} ms = linear {_ms(bd['linear'])} + lm_head {_ms(bd['lm_head'])} + attention "
                      f"{_ms(bd['attention'])} + overhead {_ms(bd['overhead'])}")
     lines.append("")
-    head = ("optimization", "throughput", "max rate", "single-stream")
-    rows = [head] + [(r["optimization"], _x(r["throughput_x"]), _x(r["max_rate_x"]), _x(r["single_stream_x"]))
+    head = ("optimization", "throughput", "max rate", "single-stream", "TTFT p50")
+    rows = [head] + [(r["optimization"] + (f" (hit rate {r['prefix_hit_rate']:.0%})" if "prefix_hit_rate" in r else ""),
+                      _x(r["throughput_x"]), _x(r["max_rate_x"]), _x(r["single_stream_x"]),
+                      _x(r["ttft_p50_x"]) if "ttft_p50_x" in r else "")
                      for r in plan["ranking"]]
-    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    w = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         lines.append("  ".join([r[0].ljust(w[0])] + [c.rjust(wi) for c, wi in zip(r[1:], w[1:])]))
     m = plan.get("spec_measured")

@@ -42,6 +42,9 @@ class SimRequest:
     # stand-in ids of prompt + output (at least prompt_tokens of them; missing output ids are
     # made unique): equal ids mark repeated content for the prefix cache. None: all unique.
     token_ids: list[int] | None = None
+    # closed loop (a conversation's next turn): the index of the request this one follows; it
+    # arrives when that one finishes (arrival_s is then ignored)
+    after: int | None = None
 
 
 @dataclass
@@ -206,6 +209,25 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     seqs: dict[int, tuple[int, Sequence]] = {}
     outputs: dict[int, list[int]] = {}  # seq_id -> the stand-in ids of its output tokens
     pending = []
+    followers: dict[int, list[int]] = {}
+    for i in order:
+        if requests[i].after is not None:
+            if not 0 <= requests[i].after < n or requests[i].after == i:
+                raise ValueError(f"request {i}: after must name another request (got {requests[i].after})")
+            followers.setdefault(requests[i].after, []).append(i)
+    arrive = [requests[i].arrival_s for i in range(n)]
+
+    def release(i: int, t: float) -> None:
+        """Request i is done (or refused) at t: the turns that follow it arrive now."""
+        for j in followers.pop(i, ()):
+            arrive[j] = t
+            if j in refused:
+                release(j, t)
+            else:
+                pending.append(j)
+                pending.sort(key=lambda k: (-arrive[k], -k))
+
+    refused = set()
     for i in order:
         r = requests[i]
         total = r.prompt_tokens + r.output_tokens
@@ -215,21 +237,26 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         if (r.prompt_tokens < 1 or r.output_tokens < 1 or total > cfg.max_model_len
                 or bm.blocks_for(max(total, region)) > cfg.num_blocks):
             rejected.append(i)
+            refused.add(i)
             continue
-        pending.append(i)
+        if r.after is None:
+            pending.append(i)
     pending.reverse()  # pop() from the end = earliest arrival
+    for i in sorted(refused):
+        if requests[i].after is None:
+            release(i, requests[i].arrival_s)
     now = 0.0
     steps = []
     peak_running = 0
     for _ in range(max_steps):
-        while pending and requests[pending[-1]].arrival_s <= now:
+        while pending and arrive[pending[-1]] <= now:
             i = pending.pop()
             r = requests[i]
             ids = stand_in_ids(i, r)
             seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,
                                                                                ignore_eos=True))
             outputs[seq.seq_id] = ids[r.prompt_tokens:]
-            seq.arrival_time = r.arrival_s
+            seq.arrival_time = arrive[i]
             seqs[seq.seq_id] = (i, seq)
             reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
                                    else r.prompt_tokens + r.output_tokens)
@@ -237,7 +264,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         if not sched.has_unfinished:
             if not pending:
                 break
-            now = max(now, requests[pending[-1]].arrival_s)
+            now = max(now, arrive[pending[-1]])
             continue
         k = 0
         if cfg.spec is not None:
@@ -245,7 +272,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         out = sched.schedule(lookahead=k)
         if not out.scheduled:
             if not sched.running and pending:
-                now = max(now, requests[pending[-1]].arrival_s)
+                now = max(now, arrive[pending[-1]])
                 continue
             raise RuntimeError("simulator: nothing can be scheduled (a request larger than the KV cache?)")
         batch = _step_batch(out.scheduled, with_lookahead=True)
@@ -280,6 +307,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 sched.finish(seq)
                 metrics[i] = RequestMetrics(seq.arrival_time, first[i], now, seq.num_prompt_tokens,
                                             seq.num_output_tokens)
+                release(i, now)
             elif s.lookahead:
                 # as the engine's _spec_step: the last kept token is recomputed next step, and the
                 # blocks past the kept tokens go back
