@@ -390,6 +390,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def set_prefix_caching(self, on: bool) -> None:
+        """Turn prefix caching on or off (paged allocator only) with the caches emptied, for
+        side-by-side runs in one process. Raises RuntimeError while requests hold blocks,
+        ValueError for the contiguous allocator."""
+        if on and self.args.kv_allocator != "paged":
+            raise ValueError("prefix caching needs the paged allocator")
+        if not self.reset_prefix_cache():
+            raise RuntimeError("set_prefix_caching: requests still hold KV blocks")
+        self.args.enable_prefix_caching = bool(on)
+        self.block_manager.enable_caching = bool(on)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.bm.enable_caching = bool(on)
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix caches (target and draft). Only while no request holds blocks;
         returns whether it was done."""
