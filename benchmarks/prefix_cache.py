@@ -54,6 +54,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="on/off pairs per trace")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--conversations-at-once", type=int, default=None,
+                    help="multi-turn: at most this many conversations in flight (default: all at once)")
+    ap.add_argument("--traces", default="multi-turn,shared system prompt,single-turn sharegpt",
+                    help="comma-separated subset of the three traces")
     a = ap.parse_args()
 
     from mixserve.bench.offline import run_offline
@@ -87,7 +91,10 @@ def main() -> int:
                    str(a.output_len_cap), "--model", a.model, "--seed", "0", "--out", str(traces["single-turn sharegpt"])])
 
     tok = load_tokenizer(a.model)
-    reqs = {name: load_dataset(str(p), tok, None, output_len_cap=a.output_len_cap) for name, p in traces.items()}
+    keep = a.traces.split(",")
+    reqs = {name: load_dataset(str(p), tok, None, output_len_cap=a.output_len_cap) for name, p in traces.items()
+            if name in keep}
+    at_once = lambda name: a.conversations_at_once if name == "multi-turn" else None  # noqa: E731
     for name, rs in reqs.items():  # a shared system prompt's requests have 32-64 output tokens; keep them
         for r in rs:
             r.max_tokens = min(r.max_tokens, 64)
@@ -98,9 +105,9 @@ def main() -> int:
     sm, hw = load_step_model(a.profile, cfg)
     ps = PlanSettings(kv_bytes=parse_bytes(a.kv_cache_memory), max_model_len=a.max_model_len, slo={})
     preds = {"made_at": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": a.profile, "machine": machine_info(),
-             "traces": {}}
+             "conversations_at_once": a.conversations_at_once, "traces": {}}
     for name, rs in reqs.items():
-        sims = sim_requests(rs, tok)
+        sims = sim_requests(rs, tok, at_once(name))
         planner = Planner(cfg, sm, hw, sims, ps)
         later = name == "multi-turn"
         p = {}
@@ -123,13 +130,13 @@ def main() -> int:
     eng = LLMEngine(EngineArgs(model=a.model, kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len,
                                progress=False))
     print(eng.describe(), flush=True)
-    run_offline(eng, reqs["single-turn sharegpt"][:4], progress=False)  # warm-up, not counted
+    run_offline(eng, next(iter(reqs.values()))[:4], progress=False)  # warm-up, not counted
     meas = {name: {"off": [], "on": []} for name in reqs}
     for k in range(a.repeats):
         for name, rs in reqs.items():
             for on in (False, True):
                 eng.set_prefix_caching(on)
-                rep, _ = run_offline(eng, rs, progress=False)
+                rep, _ = run_offline(eng, rs, progress=False, conversations_at_once=at_once(name))
                 later = name == "multi-turn"
                 m = {"output_tokens_per_s": rep["output_tokens_per_s"], "ttft_p50_s": ttft_p50(rep["requests"], later),
                      "hit_rate": hit_rate(rep["requests"], later),

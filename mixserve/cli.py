@@ -204,7 +204,8 @@ def cmd_bench(a) -> int:
     print(eng.describe(), file=sys.stderr)
     reqs = load_dataset(a.dataset, eng.tokenizer, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
-    report, outs = run_offline(eng, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos)
+    report, outs = run_offline(eng, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
+                               conversations_at_once=a.conversations_at_once)
     report["config"] = {"model": a.model, "dtype": str(eng.dtype), "dataset": a.dataset, "num_prompts": len(reqs),
                         "seed": a.seed, "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
                         "temperature": a.temperature, "block_size": a.block_size,
@@ -414,7 +415,8 @@ def cmd_plan(a) -> int:
         a.num_prompts = 200
     if a.num_prompts is not None and a.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1 (got {a.num_prompts})")
-    reqs = trace_requests(a.trace, a.model, a.num_prompts, a.seed, a.output_len_cap, a.max_prompt_len)
+    reqs = trace_requests(a.trace, a.model, a.num_prompts, a.seed, a.output_len_cap, a.max_prompt_len,
+                          a.conversations_at_once)
     if not reqs:
         raise ValueError("trace: no requests")
     measured = None
@@ -569,6 +571,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ignore-eos", action="store_true", help="stop at EOS instead of generating max_tokens")
     p.add_argument("--output", default=None, help="JSON report path (default results/bench-*.json)")
     p.add_argument("--save-outputs", action="store_true", help="store every request's token ids in the JSON")
+    p.add_argument("--conversations-at-once", type=int, default=None,
+                   help="multi-turn traces: at most this many conversations in flight (conversation k starts when "
+                        "k - N has finished; default: all at once)")
     p.add_argument("--compare-allocators", action="store_true",
                    help="run the requests three times under the same --kv-cache-memory: paged, contiguous with "
                         "max-model-len and with max-tokens reservation; print peak sequences, throughput, KV waste")
@@ -670,6 +675,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len-cap", type=int, default=256)
     p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--conversations-at-once", type=int, default=None,
+                   help="multi-turn traces: at most this many conversations in flight, as bench's flag")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

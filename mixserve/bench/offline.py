@@ -6,7 +6,7 @@ import time
 from tqdm import tqdm
 
 from mixserve.data.datasets import BenchRequest
-from mixserve.data.prefix import chat_ids, conversation_messages
+from mixserve.data.prefix import chat_ids, conversation_links, conversation_messages
 from mixserve.bench.metrics import RequestMetrics, build_report
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage
@@ -14,7 +14,8 @@ from mixserve.sampling_params import SamplingParams
 
 
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: float = 0.0,
-                ignore_eos: bool = True, seed: int | None = None, progress: bool = True) -> tuple[dict, list]:
+                ignore_eos: bool = True, seed: int | None = None, progress: bool = True,
+                conversations_at_once: int | None = None) -> tuple[dict, list]:
     """Replay `requests` through the engine (all arriving at once) and measure.
 
     Output lengths follow each request's max_tokens (ignore_eos=True, as vLLM's throughput
@@ -32,6 +33,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     A multi-turn conversation (BenchRequest.conversation) runs closed-loop: its first turn at
     the start, each later turn when the one before has finished, its prompt the chat template
     over the conversation with the model's own replies (data/prefix.py); TTFT counts from then.
+    `conversations_at_once` C: conversation k (in trace order) starts when conversation k - C has
+    finished (data/prefix.conversation_links, the rule the planner simulates); None: all at once.
     """
     def params(i: int, r: BenchRequest) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
@@ -45,6 +48,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     if turns and engine.tokenizer is None:
         raise ValueError("trace: a multi-turn conversation needs the model's tokenizer and chat template")
     history: dict[str, list[tuple[str, str]]] = {c: [] for c in turns}
+    starts_after = conversation_links(requests, conversations_at_once)  # first turn -> a last turn
+    opens = {j: i for i, j in starts_after.items()}
     ids: list[str | None] = [None] * len(requests)
     index: dict[str, int] = {}
 
@@ -56,7 +61,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         index[ids[i]] = i
 
     for i, r in enumerate(requests):
-        if r.conversation is None or turns[r.conversation][0] == i:
+        if r.conversation is None or (turns[r.conversation][0] == i and i not in starts_after):
             send(i)
     t0 = time.perf_counter()
     for rid in ids:  # offline: everything arrives when the run starts
@@ -91,6 +96,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                     left.pop(0)
                     if left:
                         send(left[0])
+                    elif index[o.request_id] in opens:
+                        send(opens[index[o.request_id]])
     duration = time.perf_counter() - t0
     bar.close()
     outs = [finals[r] for r in ids]

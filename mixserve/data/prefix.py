@@ -118,6 +118,24 @@ def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def conversation_links(reqs: list[BenchRequest], at_once: int | None) -> dict[int, int]:
+    """With at most `at_once` conversations in flight: {index of conversation k's first turn:
+    index of conversation k - at_once's last turn}, conversations in order of first appearance.
+    {} when `at_once` is None. Raises ValueError unless at_once >= 1."""
+    if at_once is None:
+        return {}
+    if at_once < 1:
+        raise ValueError(f"conversations_at_once: must be >= 1 (got {at_once})")
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, r in enumerate(reqs):
+        if r.conversation is not None:
+            first.setdefault(r.conversation, i)
+            last[r.conversation] = i
+    order = list(first)
+    return {first[c]: last[order[k - at_once]] for k, c in enumerate(order) if k >= at_once}
+
+
 @dataclass
 class StandIn:
     """One request for the simulator: stand-in ids of prompt + output, the prompt length, and for
@@ -128,12 +146,14 @@ class StandIn:
     after: int | None = None
 
 
-def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None) -> list[StandIn]:
+def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None, conversations_at_once: int | None = None) -> list[StandIn]:
     """Stand-in ids for every request (see module docstring): a conversation's turns as the
     template would send them with placeholder replies of each turn's max_tokens (real token ids:
     needs `tokenizer`); group prefixes as a shared stream; recorded hashes as ids derived from
     them; a text prompt as its own token ids when `tokenizer` is given; everything else unique.
+    `conversations_at_once`: see conversation_links (a first turn then follows a last turn).
     Raises ValueError for a conversation without a tokenizer, or a turn out of order."""
+    links = conversation_links(reqs, conversations_at_once)
     out: list[StandIn] = []
     groups: dict[str, int] = {}
     last_turn: dict[str, tuple[int, list[tuple[str, str]], list[int]]] = {}
@@ -152,7 +172,7 @@ def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None) -> list[StandIn]:
             nxt = chat_ids(tokenizer, conversation_messages(
                 BenchRequest("", 1, 1, "", system=r.system), history + [(r.prompt, reply)]))
             out_ids = nxt[len(ids):len(ids) + r.max_tokens] if nxt[:len(ids)] == ids else []
-            out.append(StandIn(ids + out_ids, len(ids), prev[0] if prev else None))
+            out.append(StandIn(ids + out_ids, len(ids), prev[0] if prev else links.get(i)))
             last_turn[r.conversation] = (i, history + [(r.prompt, reply)], ids)
             continue
         n = r.prompt_len if r.prompt_len >= 0 else (count_tokens(tokenizer, r.prompt) if tokenizer else 1)

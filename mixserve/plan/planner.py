@@ -263,7 +263,7 @@ def typical_batches(res: SimResult, reqs: list[SimRequest], ps: PlanSettings) ->
 
 
 def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 0, output_len_cap: int = 256,
-                   max_prompt_len: int = 1024) -> list[SimRequest]:
+                   max_prompt_len: int = 1024, conversations_at_once: int | None = None) -> list[SimRequest]:
     """A trace (sharegpt | humaneval | FILE.jsonl, as `mixserve bench --dataset`) in tokens of
     `model`'s tokenizer (no weights are loaded). Output length = the request's max_tokens, which
     bench generates in full (ignore_eos); arrival_s is kept when the trace has it."""
@@ -278,10 +278,10 @@ def trace_requests(trace: str, model: str, num_prompts: int | None, seed: int = 
     tok = AutoTokenizer.from_pretrained(str(folder))
     reqs = load_dataset(trace, tok, num_prompts, seed=seed, output_len_cap=output_len_cap,
                         max_prompt_len=max_prompt_len)
-    return sim_requests(reqs, tok)
+    return sim_requests(reqs, tok, conversations_at_once)
 
 
-def sim_requests(reqs, tokenizer) -> list[SimRequest]:
+def sim_requests(reqs, tokenizer, conversations_at_once: int | None = None) -> list[SimRequest]:
     """BenchRequests -> SimRequests with the trace's prefix structure as stand-in token ids
     (data/prefix.stand_ins): shared groups, recorded block hashes, repeated text and, for a
     multi-turn conversation, each turn's prompt as sent (the conversation so far) following the
@@ -289,7 +289,7 @@ def sim_requests(reqs, tokenizer) -> list[SimRequest]:
     from mixserve.data.prefix import stand_ins
 
     out = []
-    for br, it in zip(reqs, stand_ins(reqs, tokenizer)):
+    for br, it in zip(reqs, stand_ins(reqs, tokenizer, conversations_at_once)):
         arrival = getattr(br, "arrival_s", None)
         out.append(SimRequest(it.prompt_tokens, br.max_tokens, float(arrival or 0.0), br.tag,
                               token_ids=it.token_ids, after=it.after))

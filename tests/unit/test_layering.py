@@ -27,7 +27,7 @@ FORBIDDEN["quant"] += ("engine",)
 # modules env, sampling_params, sequence, open to all; llm is mixserve/llm.py)
 OPEN = {"env", "sampling_params", "sequence", ""}
 ALLOWED = {
-    "env": set(), "layers": set(), "kv": set(), "data": set(),
+    "env": set(), "layers": set(), "kv": set(), "data": {"kv"},
     "quant": {"layers", "models", "data"},
     "models": {"layers", "quant"},
     "spec_decode": {"engine", "kv"},
@@ -35,7 +35,7 @@ ALLOWED = {
     "llm": {"engine"},
     "bench": {"engine", "kv", "models", "data"},
     "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data"},
-    "server": {"engine"},
+    "server": {"engine", "kv"},
 }
 
 
