@@ -179,7 +179,7 @@ def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None, conversations_at_
         n = max(1, n)
         if r.block_hashes:
             bs = r.block_size or 16
-            ids = [_HASHED - (int(h[:15], 16) << 8) - j for h in r.block_hashes for j in range(bs)]
+            ids = [_HASHED - (int(h[:10], 16) << 8) - j for h in r.block_hashes for j in range(bs)]
             ids = ids[:n + r.max_tokens]
             out.append(StandIn(ids + [uniq + p for p in range(len(ids), n)], n))
         elif r.prefix_group is not None:
