@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mixserve import SamplingParams
 from mixserve.kv.block_manager import BlockManager, block_hash
 from tests.reference import compare_greedy, hf_greedy
-from tests.unit.test_engine_tiny import VOCAB, make_tiny
+from tests.unit.test_engine_tiny import VOCAB, _drain, make_tiny
 
 BS = 4
 
@@ -217,12 +217,7 @@ def _run(eng, reqs):
     for r in reqs:
         eng.add_request(r[1], r[2] if len(r) > 2 else G, request_id=r[0],
                         share_prompt_with=r[3] if len(r) > 3 else None)
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-    return done
+    return _drain(eng)
 
 
 def _check(hf, prompt, out, n=10):
