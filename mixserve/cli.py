@@ -221,8 +221,14 @@ def cmd_bench(a) -> int:
         print(f"[{tag}] {r['num_requests']} requests, {r['output_tokens']} output tokens, "
               f"TTFT p50 {r['ttft_s']['p50'] * 1e3:.0f} ms, TPOT p50 {r['tpot_s']['p50'] * 1e3:.1f} ms, "
               f"E2E p50 {r['e2e_s']['p50']:.2f} s")
-    print(f"prefix cache {'on' if ex['prefix_caching'] else 'off'}: hit rate {ex['prefix_cache_hit_rate']:.1%} "
-          f"({ex['prefix_cache_hits']} of {ex['prefix_cache_queries']} prompt tokens served from cached blocks)")
+    if ex["prefix_caching"]:
+        print(f"prefix cache on: hit rate {ex['prefix_cache_hit_rate']:.1%} ({ex['prefix_cache_hits']} of "
+              f"{ex['prefix_cache_queries']} prompt tokens served from cached blocks)")
+    else:
+        print("prefix cache off (--no-enable-prefix-caching)")
+    if any(r.block_hashes and r.synthetic for r in reqs):
+        print("note: the trace's lines have block hashes but no text: the prompts were made up to their lengths, "
+              "so their reuse is not replayed here (`plan --trace` and `mix describe` replay it)")
     if "spec_alpha" in ex:
         print(f"speculation: proposed {ex['spec_proposed']}, accepted {ex['spec_accepted']}, "
               f"alpha {ex['spec_alpha']:.3f}, mean accepted per step {ex['spec_mean_accepted_per_step']:.2f}, "
@@ -499,7 +505,7 @@ def cmd_mix_describe(a) -> int:
     print(format_description(d, a.trace))
     pc = d["prefix_cache"]
     print(f"prefix cache: {pc['share']:.1%} of {pc['prompt_tokens']} prompt tokens"
-          f"{' (as sent, conversation so far included)' if 'prompt_tokens_sent' in d else ''} would be served from "
+          f"{' as sent (the conversation so far included; the percentiles above count each turn' + chr(39) + 's new message)' if 'prompt_tokens_sent' in d else ''} would be served from "
           f"cached {a.block_size}-token blocks (an unbounded cache, requests in trace order)")
     if a.png:
         print(f"wrote {plot_histograms(reqs, a.png, title=Path(a.trace).name)}")
@@ -724,7 +730,8 @@ def main(argv=None) -> int:
                         "shared-system-prompt: --num requests behind --system-prompts prompts of "
                         "--system-prompt-len tokens")
     q.add_argument("--min-turns", type=int, default=4, help="sharegpt-multiturn: fewest user turns (default 4)")
-    q.add_argument("--max-turns", type=int, default=6, help="sharegpt-multiturn: turns kept per conversation")
+    q.add_argument("--max-turns", type=int, default=6,
+                   help="sharegpt-multiturn: turns kept per conversation (default 6)")
     q.add_argument("--max-message-len", type=int, default=256,
                    help="sharegpt-multiturn: skip conversations with a longer user message (tokens)")
     q.add_argument("--system-prompts", type=int, default=4, help="shared-system-prompt: how many (default 4)")

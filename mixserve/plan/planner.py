@@ -366,6 +366,8 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         if e.get("prefix_caching"):
             ttft = lambda x: 1.0 / x["offline"]["ttft_s"]["p50"]  # noqa: E731
             row.update(ttft_p50_x=gain(e, ttft), prefix_hit_rate=e["prefix_hit_rate"])
+            if e.get("trace_arrivals"):
+                row["prefix_hit_rate_trace_arrivals"] = e["trace_arrivals"]["extra"]["prefix_cache_hit_rate"]
         rows.append(row)
     rows.sort(key=lambda r: (-(r["max_rate_x"] if r["max_rate_x"] == r["max_rate_x"] else 0), -r["throughput_x"]))
     typ = typical_batches(base["_offline"], reqs, ps)

@@ -16,6 +16,16 @@ def _x(x) -> str:
     return "inf" if math.isinf(x) else f"{x:.2f}x"
 
 
+def _hits(row: dict) -> str:
+    """The prefix-caching row's simulated hit rates: all queued at t = 0, and at the trace's own
+    arrival times when it has them (requests that start together cannot reuse each other)."""
+    if "prefix_hit_rate" not in row:
+        return ""
+    own = row.get("prefix_hit_rate_trace_arrivals")
+    return (f" (hit rate {row['prefix_hit_rate']:.0%} all queued"
+            + (f", {own:.0%} at the trace's arrivals" if own is not None else "") + ")")
+
+
 def format_table(plan: dict) -> str:
     """The plan's headline numbers and the ranking, as plain text (latencies in ms)."""
     hw, b, kv = plan["hardware"], plan["baseline"], plan["kv"]
@@ -34,9 +44,10 @@ def format_table(plan: dict) -> str:
              *([f"the trace's own arrival times replayed: {b['trace_arrivals']['output_tokens_per_s']:.1f} output "
                 f"tokens/s, TTFT p50 {_ms(b['trace_arrivals']['ttft_s']['p50'])} ms, TPOT p50 "
                 f"{_ms(b['trace_arrivals']['tpot_s']['p50'])} ms"] if b.get("trace_arrivals") else []),
-             f"max sustainable rate under {slo} (Poisson arrivals): {b['max_rate_per_s']:.3f} requests/s"
-             + (" (the engine's capacity on this trace: the SLO holds up to it)"
-                if b.get("max_rate_limit") == "capacity" else "")]
+             (f"max sustainable rate under {slo} (Poisson arrivals): {b['max_rate_per_s']:.3f} requests/s"
+              + (" (the engine's capacity on this trace: the SLO holds up to it)"
+                 if b.get("max_rate_limit") == "capacity" else "")) if slo
+             else "max sustainable rate: not searched (no SLO given: --slo is empty)"]
     at = b["at_max_rate"]
     if not b["max_rate_per_s"]:
         lines.append("  the SLO is missed even by requests arriving one at a time (unloaded latency)")
@@ -52,7 +63,7 @@ def format_table(plan: dict) -> str:
                      f"{_ms(bd['attention'])} + overhead {_ms(bd['overhead'])}")
     lines.append("")
     head = ("optimization", "throughput", "max rate", "single-stream", "TTFT p50")
-    rows = [head] + [(r["optimization"] + (f" (hit rate {r['prefix_hit_rate']:.0%})" if "prefix_hit_rate" in r else ""),
+    rows = [head] + [(r["optimization"] + _hits(r),
                       _x(r["throughput_x"]), _x(r["max_rate_x"]), _x(r["single_stream_x"]),
                       _x(r["ttft_p50_x"]) if "ttft_p50_x" in r else "")
                      for r in plan["ranking"]]
@@ -132,7 +143,8 @@ def write_report(plan: dict, evals: dict, out_dir: str | Path) -> list[Path]:
         ax.set_xlabel("Poisson arrival rate (requests/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    if any(ax.get_legend_handles_labels()[0] for ax in axes):
+        axes[1].legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "rate_sweep.png")
     fig.savefig(paths[-1], dpi=100)

@@ -57,8 +57,8 @@ class MixRecorder:
             line["output_text"] = output_text
         else:
             line["prompt_tokens"] = len(prompt_ids)
-        if not output_ids:  # max_tokens 0 (scoring): replayed as one token, the least a trace line asks
-            line["output_tokens"] = 1
+        if not output_ids:  # max_tokens 0 (prompt scoring): a trace line asks for >= 1 output token
+            line["output_tokens"], line["prompt_only"] = 1, True
         with self._lock:
             self._f.write(json.dumps(line, ensure_ascii=False) + "\n")
             self._f.flush()
