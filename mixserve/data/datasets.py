@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import re
 import tempfile
 import time
 import warnings
@@ -600,6 +601,7 @@ def load_jsonl(
     read without a tokenizer.
     """
     out = []
+    turns: dict[str, int] = {}  # conversation -> its last turn so far
     # bytes, decoded line by line: a file that is not UTF-8 is an error naming its line
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -653,8 +655,17 @@ def load_jsonl(
                 arrival = float(arrival)
             br = BenchRequest(prompt, max_tokens, plen, tag, ref, arrival, synthetic=obj.get("prompt_tokens") is not None)
             _prefix_fields(br, obj, where, tokenizer, lineno)
+            if br.conversation is not None:
+                want = turns.get(br.conversation, 0) + 1
+                if br.turn != want:
+                    raise ValueError(f"{where}: conversation {br.conversation!r}: turn {br.turn} where turn {want} "
+                                     f"comes next (a conversation's turns are in order, from 1)")
+                turns[br.conversation] = br.turn
             out.append(br)
     return out
+
+
+_HEX = re.compile(r"[0-9a-fA-F]{10,64}")
 
 
 def _prefix_fields(br: BenchRequest, obj: dict, where: str, tokenizer: Any, lineno: int) -> None:
@@ -663,6 +674,8 @@ def _prefix_fields(br: BenchRequest, obj: dict, where: str, tokenizer: Any, line
     import zlib
 
     group = obj.get("prefix_group")
+    if group is None and obj.get("prefix_tokens") is not None:
+        raise ValueError(f"{where}: 'prefix_tokens' needs 'prefix_group' (the requests that share the prefix)")
     if group is not None:
         if not isinstance(group, str) or not group:
             raise ValueError(f"{where}: 'prefix_group' must be a non-empty string, got {group!r:.60}")
@@ -686,10 +699,13 @@ def _prefix_fields(br: BenchRequest, obj: dict, where: str, tokenizer: Any, line
         br.system = system
     hashes = obj.get("block_hashes")
     if hashes is not None:
-        if not isinstance(hashes, list) or not all(isinstance(h, str) and h for h in hashes):
-            raise ValueError(f"{where}: 'block_hashes' must be a list of hex strings")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and _HEX.fullmatch(h) for h in hashes):
+            raise ValueError(f"{where}: 'block_hashes' must be a list of hex strings (10 to 64 digits)")
         br.block_hashes = hashes
         br.block_size = _positive_int(obj.get("block_size"), "'block_size'", where)
+        if br.prompt_len >= 0 and len(hashes) * br.block_size > br.prompt_len + br.max_tokens:
+            raise ValueError(f"{where}: {len(hashes)} 'block_hashes' of {br.block_size} tokens are more than the "
+                             f"prompt and output hold ({br.prompt_len} + {br.max_tokens} tokens)")
 
 
 # --------------------------------------------------------------------------

@@ -260,8 +260,8 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 1024):
-            raise ValueError("cache_salt: must be a non-empty string of at most 1024 characters")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 4096):
+            raise ValueError("cache_salt: must be a non-empty string of at most 4096 characters")
         seq = Sequence(request_id, text, ids, params)
         seq.cache_salt = cache_salt
         if arrival_time is not None:
@@ -388,7 +388,8 @@ class LLMEngine:
                 self._num_followers -= 1
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether any request is queued, parked behind its leader's prefill, or running."""
+        return self.scheduler.has_unfinished or bool(self._num_followers)
 
     def set_prefix_caching(self, on: bool) -> None:
         """Turn prefix caching on or off (paged allocator only) with the caches emptied, for
@@ -527,6 +528,8 @@ class LLMEngine:
             outputs.append(out)
             r += m
         self.scheduler.commit(s.seq for s in sched.scheduled)
+        if self._followers:  # a prefill can end on a one-token chunk verified as a decode row
+            self._release_followers([s.seq for s in sched.scheduled])
         # verification cost = target forward + accept/reject + output handling (draft excluded)
         self.last_step_tokens = sum(it.end - it.start for it in items)
         self.controller.target.record(self.last_step_tokens, time.perf_counter() - t1)

@@ -100,7 +100,7 @@ def read_api_keys(path: str) -> dict[str, str]:
     malformed line, a name or key given twice, or an empty file."""
     out: dict[str, str] = {}
     names = set()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a BOM is not part of the first name
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line or line.startswith("#"):
@@ -109,6 +109,8 @@ def read_api_keys(path: str) -> dict[str, str]:
             if len(parts) != 2:
                 raise ValueError(f"{path}:{n}: expected `NAME KEY`, got {len(parts)} fields")
             name, key = parts
+            if len(name) > 256 or not all(c.isprintable() for c in name + key):
+                raise ValueError(f"{path}:{n}: a name (at most 256 characters) and key must be printable text")
             if key in out or name in names:
                 raise ValueError(f"{path}:{n}: {'key' if key in out else 'name ' + repr(name)} given twice")
             out[key] = name

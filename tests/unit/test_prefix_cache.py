@@ -359,3 +359,18 @@ def test_contiguous_allocator_never_caches(tiny):
     outs = _run(eng, [("a", p)])
     outs.update(_run(eng, [("b", p)]))
     assert outs["b"].metrics["cached_tokens"] == 0 and "prefix caching off" in eng.describe()
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_parallel_sample_released_when_the_prefill_ends_on_a_verified_row(tiny, draft):
+    """A leader's prefill whose last chunk is one token runs as a speculative (decode) row: its
+    followers must be released then, not stranded (found by the break-it round)."""
+    folder, hf = tiny
+    eng = _engine(folder, max_num_batched_tokens=4, draft_model=folder if draft == "model" else "ngram",
+                  speculation="fixed", num_speculative_tokens=2)
+    p = _rand(5, 17)  # a chunk of 4, then 1 token
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = _run(eng, [("lead", p, sp), ("f", p, sp, "lead")])
+    assert set(outs) == {"lead", "f"} and outs["f"].token_ids == outs["lead"].token_ids
+    _check(hf, p, outs["f"], 6)
+    assert not eng.has_unfinished() and eng.num_waiting == 0

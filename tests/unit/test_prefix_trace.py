@@ -32,8 +32,12 @@ def test_prefix_group_prompts_share_their_text(tmp_path):
     ({"prompt_tokens": 10, "prefix_group": "g", "prefix_tokens": 11}, "exceeds the prompt"),
     ({"prompt_tokens": 10, "prefix_group": "", "prefix_tokens": 5}, "'prefix_group' must be"),
     ({"prompt": "a b", "conversation": "c"}, "'turn' must be a positive integer"),
-    ({"prompt_tokens": 10, "block_hashes": ["ab"]}, "'block_size' must be"),
+    ({"prompt_tokens": 10, "block_hashes": ["ab" * 8]}, "'block_size' must be"),
     ({"prompt_tokens": 10, "block_hashes": "ab", "block_size": 4}, "'block_hashes' must be a list"),
+    ({"prompt_tokens": 10, "block_hashes": ["zz" * 8], "block_size": 4}, "hex strings"),
+    ({"prompt_tokens": 4, "output_tokens": 1, "block_hashes": ["ab" * 8] * 2, "block_size": 4}, "more than the"),
+    ({"prompt_tokens": 10, "prefix_tokens": 5}, "needs 'prefix_group'"),
+    ({"prompt": "a b", "conversation": "c", "turn": 2}, "turn 2 where turn 1 comes next"),
 ])
 def test_bad_prefix_fields_name_the_line(tmp_path, line, msg):
     p = _write(tmp_path / "t.jsonl", [line])

@@ -52,17 +52,19 @@ def test_per_key_salting_isolates_tenants_and_the_mix_is_recorded(server):
     r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer key-a"},
                    json={"model": "tiny", "prompt": PROMPT, "cache_salt": ""}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    # the longest salt a request may give still fits behind its key's name
+    assert cached(_complete(url, "key-a", cache_salt="s" * 1024)) == 0
     text = httpx.get(url + "/metrics", timeout=60).text
     fams = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-    assert fams["mixserve_prefix_cache_queries_total"].value == 5 * 40
+    assert fams["mixserve_prefix_cache_queries_total"].value == 6 * 40
     assert fams["mixserve_prefix_cache_hits_total"].value == 64
     states = {s.labels["state"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
               if s.name == "mixserve_prefix_cache_blocks"}
     assert states["in_use"] == 0 and states["evictable"] > 0
     assert srv.wait_idle(30)
     lines = [json.loads(x) for x in mix.read_text().splitlines()]
-    assert [x["tag"] for x in lines] == ["bob", "alice", "alice", "bob", "alice"]
-    assert [x["cached_tokens"] for x in lines] == [0, 0, 32, 32, 0]
+    assert [x["tag"] for x in lines] == ["bob", "alice", "alice", "bob", "alice", "alice"]
+    assert [x["cached_tokens"] for x in lines] == [0, 0, 32, 32, 0, 0]
     assert all(x["prompt_tokens"] == 40 and x["output_tokens"] == 4 and "prompt" not in x for x in lines)
     assert all(x["finish_reason"] == "length" and x["ttft_s"] > 0 and x["block_size"] == 16 for x in lines)
     h = [x["block_hashes"] for x in lines]
@@ -79,6 +81,11 @@ def test_api_keys_file_errors(tmp_path):
         read_api_keys(str(bad))
     bad.write_text("alice k1\nbob k1\n")
     with pytest.raises(ValueError, match=":2: key given twice"):
+        read_api_keys(str(bad))
+    bad.write_text("\ufeffalice k1\n", encoding="utf-8")  # a BOM is not part of the name
+    assert read_api_keys(str(bad)) == {"k1": "alice"}
+    bad.write_text("alice k\x001\n")
+    with pytest.raises(ValueError, match="printable"):
         read_api_keys(str(bad))
     bad.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no keys"):
