@@ -30,6 +30,13 @@ _HASHED = -(1 << 60)
 _UNIQUE = 1 << 40
 
 
+def unique_ids(index: int, start: int, end: int) -> list[int]:
+    """Stand-in ids for positions [start, end) of request `index` that no other request has
+    (above every real vocabulary, below the shared streams' negative ids)."""
+    base = _UNIQUE * (index + 1)
+    return [base + p for p in range(start, end)]
+
+
 def sharegpt_conversations(min_turns: int = 4, max_turns: int = 6, path=None) -> list[list[tuple[str, str]]]:
     """ShareGPT conversations with at least `min_turns` (human, gpt) turns, each cut to
     `max_turns` turns, in file order. Turns with an empty side end the conversation there."""
@@ -158,7 +165,6 @@ def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None, conversations_at_
     groups: dict[str, int] = {}
     last_turn: dict[str, tuple[int, list[tuple[str, str]], list[int]]] = {}
     for i, r in enumerate(reqs):
-        uniq = _UNIQUE * (i + 1)
         if r.conversation is not None:
             if tokenizer is None:
                 raise ValueError("conversation traces need the model's tokenizer")
@@ -181,7 +187,7 @@ def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None, conversations_at_
             bs = r.block_size or 16
             ids = [_HASHED - (int(h[:10], 16) << 8) - j for h in r.block_hashes for j in range(bs)]
             ids = ids[:n + r.max_tokens]
-            out.append(StandIn(ids + [uniq + p for p in range(len(ids), n)], n))
+            out.append(StandIn(ids + unique_ids(i, len(ids), n), n))
         elif r.prefix_group is not None:
             g = groups.setdefault(r.prefix_group, len(groups))
             k = min(r.prefix_tokens, n)
@@ -189,12 +195,12 @@ def stand_ins(reqs: list[BenchRequest], tokenizer: Any = None, conversations_at_
             ids = [base - p for p in range(k)]
             if k == n:  # the whole prompt is the group's: so is what follows it
                 ids += [base - p for p in range(n, n + r.max_tokens)]
-            out.append(StandIn(ids + [uniq + p for p in range(len(ids), n)], n))
+            out.append(StandIn(ids + unique_ids(i, len(ids), n), n))
         elif tokenizer is not None and not r.synthetic:
             ids = tokenizer.encode(r.prompt)[:n] if r.prompt else []
-            out.append(StandIn(ids + [uniq + p for p in range(len(ids), n)], n))
+            out.append(StandIn(ids + unique_ids(i, len(ids), n), n))
         else:
-            out.append(StandIn([uniq + p for p in range(n)], n))
+            out.append(StandIn(unique_ids(i, 0, n), n))
     return out
 
 

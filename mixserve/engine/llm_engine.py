@@ -495,9 +495,8 @@ class LLMEngine:
         processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
+        # now, before a prefill that samples its first token can finish (and free unregistered)
         self.scheduler.commit(s.seq for s in prefill)
-        if self._followers:
-            self._release_followers([s.seq for s in prefill])
         self._keep_scores(items, by_id)
         outputs, r, now = failed + self._finish_prefill_only(sched), 0, time.perf_counter()
         for it in rows:
@@ -528,7 +527,7 @@ class LLMEngine:
             outputs.append(out)
             r += m
         self.scheduler.commit(s.seq for s in sched.scheduled)
-        if self._followers:  # a prefill can end on a one-token chunk verified as a decode row
+        if self._followers:  # decode rows too: a prefill can end on a one-token chunk verified as one
             self._release_followers([s.seq for s in sched.scheduled])
         # verification cost = target forward + accept/reject + output handling (draft excluded)
         self.last_step_tokens = sum(it.end - it.start for it in items)

@@ -136,7 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             if fresh:
                 first = seq.num_preemptions == 0
-                seq.num_computed_tokens = self.bm.acquire(seq.seq_id, cached, seq.token_ids, seq.cache_salt,
+                seq.num_computed_tokens = self.bm.acquire(seq.seq_id, cached, seq.cache_salt,
                                                           seq.num_prompt_tokens if first else 0)
                 if first:
                     seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -171,7 +171,7 @@ class Scheduler:
         """Register the full blocks the last step computed in the prefix cache."""
         for seq in seqs:
             if not seq.is_finished:
-                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+                self.bm.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks at once."""

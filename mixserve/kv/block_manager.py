@@ -123,16 +123,6 @@ class BlockManager:
         return self.num_blocks_needed(seq_id, start, end) <= self.num_free_blocks
 
     # -- prefix caching --------------------------------------------------------------------------
-    def _chain(self, seq_id: int | None, token_ids, salt: str | None, upto_blocks: int) -> list[bytes]:
-        """Hashes of the first `upto_blocks` full blocks of `token_ids` (reusing those a sequence
-        already has)."""
-        bs = self.block_size
-        hashes = list(self._hashes.get(seq_id, ())) if seq_id is not None else []
-        del hashes[upto_blocks:]
-        for i in range(len(hashes), upto_blocks):
-            hashes.append(block_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt))
-        return hashes
-
     def find_cached(self, token_ids, salt: str | None = None) -> list[int]:
         """Physical blocks holding the longest cached run of full blocks of `token_ids`; never
         the block of the last token, so at least one token is computed (its logits are needed).
@@ -156,12 +146,12 @@ class BlockManager:
         idle = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         return self.blocks_for(end) - len(cached_blocks) <= self.num_free_blocks - idle
 
-    def acquire(self, seq_id: int, cached_blocks: list[int], token_ids, salt: str | None = None,
-                count_query: int = 0) -> int:
-        """Start `seq_id`'s table with `cached_blocks` (find_cached's answer for `token_ids`,
-        reference counts + 1; evictable ones leave the eviction queue). `count_query`: prompt
-        tokens to add to the query counter (a first admission; 0 for a recompute). Returns the
-        tokens now cached. Raises ValueError if the sequence already has blocks."""
+    def acquire(self, seq_id: int, cached_blocks: list[int], salt: str | None = None, count_query: int = 0) -> int:
+        """Start `seq_id`'s table with `cached_blocks` (find_cached's answer under `salt`,
+        reference counts + 1; evictable ones leave the eviction queue) and remember its salt for
+        `commit`. `count_query`: prompt tokens to add to the query counter (a first admission; 0
+        for a recompute). Returns the tokens now cached. Raises ValueError if the sequence
+        already has blocks."""
         if self.tables.get(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
         if count_query:
@@ -197,10 +187,11 @@ class BlockManager:
         self.hash_of = [None] * self.num_blocks
         return True
 
-    def commit(self, seq_id: int, token_ids, num_computed: int, salt: str | None = None) -> None:
+    def commit(self, seq_id: int, token_ids, num_computed: int) -> None:
         """Register the full blocks of `seq_id` whose K/V is now written (positions below
-        `num_computed`, of `token_ids`) in the prefix cache. A block whose content another block
-        already holds stays unregistered (it is freed as plain memory)."""
+        `num_computed`, of `token_ids`) in the prefix cache, under the salt given at `acquire`.
+        A block whose content another block already holds stays unregistered (it is freed as
+        plain memory)."""
         if not self.enable_caching:
             return
         table = self.tables.get(seq_id)
@@ -210,14 +201,14 @@ class BlockManager:
         have = self._hashes.setdefault(seq_id, [])
         if len(have) >= n:
             return
-        salt = self._salts.get(seq_id, salt)
-        hashes = self._chain(seq_id, token_ids, salt, n)
-        for i in range(len(have), n):
-            h, b = hashes[i], table[i]
+        salt, bs = self._salts.get(seq_id), self.block_size
+        for i in range(len(have), n):  # the chain goes on from the hashes it already has
+            h = block_hash(have[-1] if have else None, token_ids[i * bs:(i + 1) * bs], salt)
+            have.append(h)
+            b = table[i]
             if self.hash_of[b] is None and h not in self.cached:
                 self.hash_of[b] = h
                 self.cached[h] = b
-        self._hashes[seq_id] = hashes
 
     # -- mutations -------------------------------------------------------------------------------
     def reserve_for(self, seq_id: int, max_seq_len: int) -> None:

@@ -6,8 +6,8 @@ budget, chunked prefill, FCFS admission, paged blocks, preemption by recompute a
 prefix caching (hits, LRU eviction) are exactly the engine's. Sequences carry stand-in token ids
 that only say which tokens are equal: a request's own `token_ids` when the trace gives its
 prefix structure (equal ids where its prompt, or its output, repeats another request's), else
-ids unique to the request, so the cache hits exactly what the trace says repeats. What the simulator replaces is the model: a
-step takes `step_time(StepBatch)` seconds of simulated time, and every sequence that reaches its
+ids unique to the request, so the cache hits exactly what the trace says repeats. What the
+simulator replaces is the model: a step takes `step_time(StepBatch)` seconds of simulated time, and every sequence that reaches its
 last token gets one output token (greedy with ignore_eos, as `mixserve bench` runs), or, with
 speculative decoding, 1 + the accepted draft tokens drawn with per-position acceptance α.
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mixserve.bench.metrics import RequestMetrics, build_report
+from mixserve.data.prefix import unique_ids
 from mixserve.engine.scheduler import Scheduler
 from mixserve.kv.block_manager import BlockManager
 from mixserve.plan.step_time import StepBatch
@@ -163,9 +164,6 @@ class SimResult:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
-_UNIQUE = 1 << 40
-
-
 def stand_in_ids(index: int, r: SimRequest) -> list[int]:
     """Prompt + output stand-in ids of request `index`: its `token_ids`, completed with ids no
     other request has (request index + position, kept above every real vocabulary)."""
@@ -173,8 +171,7 @@ def stand_in_ids(index: int, r: SimRequest) -> list[int]:
     given = list(r.token_ids or [])[:total]
     if r.token_ids is not None and len(given) < r.prompt_tokens:
         raise ValueError(f"request {index}: token_ids has {len(given)} ids, the prompt {r.prompt_tokens} tokens")
-    base = _UNIQUE * (index + 1)
-    return given + [base + p for p in range(len(given), total)]
+    return given + unique_ids(index, len(given), total)
 
 
 def _draw_accepted(rng: random.Random, alpha: float, k: int) -> int:

@@ -52,7 +52,6 @@ class DraftModelProposer:
         self.meta_fn = meta_fn
         self.computed: dict[int, int] = {}
         self.num_forwards = 0
-        self._pending: list = []  # prefill chunks whose blocks are committed after their forward
         self.step_time: float | None = None  # seconds of one plain draft step, last round
 
     def _start(self, seq: Sequence) -> int:
@@ -63,11 +62,16 @@ class DraftModelProposer:
             cached = self.bm.find_cached(seq.token_ids, seq.cache_salt)
             if not self.bm.can_admit(cached, len(cached) * self.bm.block_size + 1):
                 cached = []
-            c = self.computed[seq.seq_id] = self.bm.acquire(seq.seq_id, cached, seq.token_ids, seq.cache_salt)
+            c = self.computed[seq.seq_id] = self.bm.acquire(seq.seq_id, cached, seq.cache_salt)
         return c
 
-    def _commit(self, seq: Sequence, toks: list[int]) -> None:
-        self.bm.commit(seq.seq_id, toks, self.computed.get(seq.seq_id, 0), seq.cache_salt)
+    def _run(self, items: list[BatchItem]):
+        """One draft forward; then the full blocks it wrote go into the draft's prefix cache
+        (drafted tokens included: a block's K/V is right for its tokens, accepted or not)."""
+        out = self.runner.run(items)
+        for it in items:
+            self.bm.commit(it.seq_id, it.token_ids, it.end)
+        return out
 
     def prefill(self, chunks: list[tuple[Sequence, int, int]]) -> list[BatchItem]:
         """Draft items mirroring target prefill chunks (positions [start, end)), no logits."""
@@ -78,19 +82,15 @@ class DraftModelProposer:
             self.bm.append_slots(seq.seq_id, start, end)
             items.append(BatchItem(seq.seq_id, seq.token_ids, start, end, 0))
             self.computed[seq.seq_id] = end
-        self._pending = [(seq, seq.token_ids) for seq, _, _ in chunks]
         return items
 
     def propose(self, seqs: list[Sequence], ks: list[int], extra_items: list[BatchItem] = ()) -> list[Proposal]:
         """Propose ks[i] tokens for seqs[i] (each has all but its last token in the target cache).
         `extra_items` (draft prefill chunks) ride along in the first forward."""
         k = max(ks, default=0)
-        pending, self._pending = self._pending, []
         if k == 0:
             if extra_items:
-                self.runner.run(list(extra_items))
-            for seq, toks in pending:
-                self._commit(seq, toks)
+                self._run(list(extra_items))
             return [Proposal([]) for _ in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -105,7 +105,7 @@ class DraftModelProposer:
                 start = self._start(s) if step == 0 else len(toks) - 1
                 self.bm.append_slots(s.seq_id, start, len(toks))
                 items.append(BatchItem(s.seq_id, toks, start, len(toks), 1))
-            logits, rows = self.runner.run(items)
+            logits, rows = self._run(items)
             self.num_forwards += 1
             by_id = {it.seq_id: r for r, it in enumerate(rows)}
             aseqs = [seqs[i] for i in active]
@@ -126,12 +126,7 @@ class DraftModelProposer:
                     qs[i].append(probs[r])
                 drafts[i].append(t)
                 self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1
-            if step == 0:
-                for seq, toks in pending:
-                    self._commit(seq, toks)
             times.append(time.perf_counter() - t0)
-        for s, d in zip(seqs, drafts):
-            self._commit(s, s.token_ids + d)
         # The first forward also catches up on unseen tokens and prefill chunks; a later one is
         # the plain one-token step that the cost model wants, when there is one.
         self.step_time = min(times[1:]) if len(times) > 1 else (times[0] if not extra_items else None)

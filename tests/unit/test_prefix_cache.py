@@ -24,9 +24,9 @@ def _compute(bm: BlockManager, sid: int, toks: list[int], salt=None) -> int:
     """Admit `toks` as the engine does: cached prefix, then compute the rest and commit."""
     cached = bm.find_cached(toks, salt)
     assert bm.can_admit(cached, len(toks))
-    n = bm.acquire(sid, cached, toks, salt, count_query=len(toks))
+    n = bm.acquire(sid, cached, salt, count_query=len(toks))
     bm.append_slots(sid, n, len(toks))
-    bm.commit(sid, toks, len(toks), salt)
+    bm.commit(sid, toks, len(toks))
     return n
 
 
@@ -118,13 +118,13 @@ class CachingMachine(RuleBasedStateMachine):
         sid = self.next_id
         self.next_id += 1
         self.seqs[sid] = (toks, salt)
-        n = self.bm.acquire(sid, cached, toks, salt)
+        n = self.bm.acquire(sid, cached, salt)
         assert n < len(toks)
         for p, slot in zip(range(n), self.bm.slots(sid, 0, n) if n else []):
             assert self.cache.get(slot) == (salt, tuple(toks[:p + 1])), "a cached block holds another prefix"
         copies = self.bm.append_slots(sid, n, len(toks))
         self._write(sid, n, len(toks), copies)
-        self.bm.commit(sid, toks, len(toks), salt)
+        self.bm.commit(sid, toks, len(toks))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), k=st.integers(1, 6))
@@ -137,7 +137,7 @@ class CachingMachine(RuleBasedStateMachine):
         toks.extend(data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k)))
         copies = self.bm.append_slots(sid, start, start + k)
         self._write(sid, start, start + k, copies)
-        self.bm.commit(sid, toks, len(toks), salt)
+        self.bm.commit(sid, toks, len(toks))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
