@@ -269,14 +269,25 @@ def cmd_serve(a) -> int:
         open(a.record_mix, "a").close()  # an unwritable path fails now, before the model loads
     if a.api_keys:
         read_api_keys(a.api_keys)
-    eng = LLMEngine(engine_args(a))
-    print(eng.describe(), file=sys.stderr)
+    if a.replicas is None:
+        eng = LLMEngine(engine_args(a))
+        print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
                        api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,
                        request_timeout=a.request_timeout, max_n=a.max_n, max_body_bytes=a.max_body_bytes,
                        api_keys=read_api_keys(a.api_keys) if a.api_keys else None,
                        prefix_cache_salt=a.prefix_cache_salt, record_mix=a.record_mix,
                        record_mix_text=a.record_mix_text, tag_header=a.tag_header)
+    if a.replicas is not None:
+        from mixserve.replicas.app import ReplicaOptions, run
+
+        cpus = a.replica_cpus if a.replica_cpus is not None else float(max(1, (os.cpu_count() or 1) // max(1, a.replicas)))
+        opts = ReplicaOptions(num_replicas=a.replicas, cpus=cpus, gpus=a.replica_gpus,
+                              threads=a.replica_threads, routing=a.routing, margin=a.route_margin,
+                              route_blocks=a.route_blocks, retries=a.replica_retries, min_replicas=a.min_replicas,
+                              max_replicas=a.max_replicas, target_ongoing_requests=a.target_ongoing_requests,
+                              grace_s=a.shutdown_grace, access_log=a.access_log)
+        return run(engine_args(a), cfg, opts, a.host, a.port, a.ray_address)
     # On SIGINT/SIGTERM: stop accepting, let running requests finish for shutdown_grace seconds,
     # end the rest properly (GracefulServer), then the app's lifespan stops the engine. uvicorn
     # re-raises the signal afterwards under the handler found at start: make that one a clean
@@ -620,6 +631,31 @@ def main(argv=None) -> int:
     p.add_argument("--record-mix-text", action="store_true", help="also record the prompt and output text")
     p.add_argument("--tag-header", default="x-mixserve-tag",
                    help="request header whose value tags the request in the recorded mix (default %(default)s)")
+    g = p.add_argument_group("replicas (Ray Serve; pip install -e '.[ray]')")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas behind one endpoint on Ray Serve (each loads the model; every "
+                        "engine flag applies to each)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "pow2", "round-robin"],
+                   help="prefix: the replica that likely holds the prompt's first KV blocks, unless its queue is "
+                        "--route-margin longer than the shortest; pow2: the shorter queue of two random replicas "
+                        "(default %(default)s)")
+    g.add_argument("--route-margin", type=int, default=4,
+                   help="requests the prefix-preferred replica may queue beyond the least-loaded one (default 4)")
+    g.add_argument("--route-blocks", type=int, default=4,
+                   help="full KV blocks of the prompt (after the chat template) hashed into its route key (default 4)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs each replica asks Ray for (default: this machine's cores / N, at least 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica asks Ray for (default 0)")
+    g.add_argument("--replica-threads", type=int, default=None, help="torch threads per replica (default: its CPUs)")
+    g.add_argument("--replica-retries", type=int, default=2,
+                   help="tries after the first for a request whose replica died before answering (default 2)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (Ray Serve)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (Ray Serve)")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling: requests in flight per replica Ray Serve scales to")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto); default: a local Ray instance that "
+                        "starts and stops with the command")
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("quantize", help="write an int4 checkpoint (AWQ or round-to-nearest, AutoAWQ GEMM layout)")

@@ -39,6 +39,9 @@ class _EngineCollector:
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_used", "KV cache blocks in use.",
                                 value=bm.num_used_blocks)
         yield GaugeMetricFamily("mixserve_kv_cache_blocks_total", "KV cache blocks in all.", value=bm.num_blocks)
+        # the vendor-neutral KVCacheUtilization gauge external routers read (vLLM's kv_cache_usage_perc)
+        yield GaugeMetricFamily("mixserve_kv_cache_usage_perc", "KV cache blocks in use / in all (0 to 1).",
+                                value=bm.num_used_blocks / max(1, bm.num_blocks))
         yield CounterMetricFamily("mixserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=eng.scheduler.num_preemptions)
         yield CounterMetricFamily("mixserve_prompt_tokens", "Prompt tokens of accepted requests.",

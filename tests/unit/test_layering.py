@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "mixserve"
 
 CORE = ("engine", "kv", "layers", "models", "quant", "spec_decode", "data")
-OUTER = ("server", "bench", "plan", "cli")
+OUTER = ("server", "replicas", "bench", "plan", "cli")
 FORBIDDEN = {core: OUTER for core in CORE}
 FORBIDDEN["layers"] += ("models",)
 FORBIDDEN["kv"] += ("models",)
@@ -36,6 +36,7 @@ ALLOWED = {
     "bench": {"engine", "kv", "models", "data"},
     "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data"},
     "server": {"engine", "kv"},
+    "replicas": {"engine", "kv", "server", "models"},
 }
 
 

@@ -1,0 +1,175 @@
+"""`mixserve serve --replicas N`: the Ray Serve application (an ingress deployment in front of an
+engine deployment of N replicas) and the command's lifecycle.
+
+Ray Serve does the distributed work: placing replicas by their resources, restarting a dead one
+(its health check, replica.check_health), autoscaling between min and max replicas on ongoing
+requests, and the HTTP proxy. mixserve adds the request router (replicas/ray_router.py), the
+replica that owns an engine (replicas/replica.py) and the ingress (replicas/ingress.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+log = logging.getLogger("mixserve.replicas")
+
+APP_NAME = "mixserve"
+
+
+@dataclass
+class ReplicaOptions:
+    """How the replicas are laid out and routed to.
+
+    num_replicas: engine replicas (fixed; see min/max for autoscaling). cpus, gpus: Ray resources
+    each replica asks for. threads: torch threads per replica (default: cpus). routing: a
+    routing.POLICIES name. margin: queued requests the prefix-preferred replica may hold beyond
+    the least-loaded one. route_blocks: full KV blocks in a route key. retries: tries after the
+    first for a request whose replica died before answering. min_replicas, max_replicas,
+    target_ongoing_requests: Ray Serve autoscaling (all three None: fixed num_replicas).
+    max_ongoing_requests: Ray Serve's cap of requests in flight per replica (beyond it the router
+    picks another or waits). stats_period_s: how often replicas report the gauges routers and
+    /metrics read. grace_s: shutdown grace for running requests (seconds). access_log: Ray
+    Serve's per-request log lines.
+    """
+
+    num_replicas: int = 2
+    cpus: float = 1.0
+    gpus: float = 0.0
+    threads: int | None = None
+    routing: str = "prefix"
+    margin: int = 4
+    route_blocks: int = 4
+    retries: int = 2
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None
+    max_ongoing_requests: int = 1024
+    stats_period_s: float = 1.0
+    grace_s: float = 30.0
+    access_log: bool = False
+
+    def validate(self) -> None:
+        from mixserve.replicas.routing import POLICIES
+
+        if self.num_replicas < 1:
+            raise ValueError(f"replicas: must be >= 1 (got {self.num_replicas})")
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing: one of {', '.join(POLICIES)} (got {self.routing!r})")
+        if self.cpus < 0 or self.gpus < 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError("replica cpus and gpus must be >= 0, threads >= 1")
+        if self.margin < 0 or self.route_blocks < 1 or self.retries < 0:
+            raise ValueError("route margin >= 0, route blocks >= 1 and retries >= 0 are required")
+        auto = (self.min_replicas, self.max_replicas, self.target_ongoing_requests)
+        if any(v is not None for v in auto):
+            lo = self.min_replicas if self.min_replicas is not None else 1
+            hi = self.max_replicas if self.max_replicas is not None else max(lo, self.num_replicas)
+            if not 0 <= lo <= hi or hi < 1:
+                raise ValueError(f"autoscaling: need 0 <= min_replicas <= max_replicas, max >= 1 (got {lo}, {hi})")
+            if self.target_ongoing_requests is not None and not self.target_ongoing_requests > 0:
+                raise ValueError("target_ongoing_requests: must be > 0")
+
+    def autoscaling(self) -> dict | None:
+        """Ray Serve's autoscaling_config, or None for a fixed replica count."""
+        if all(v is None for v in (self.min_replicas, self.max_replicas, self.target_ongoing_requests)):
+            return None
+        lo = self.min_replicas if self.min_replicas is not None else 1
+        cfg = {"min_replicas": lo, "max_replicas": self.max_replicas or max(lo, self.num_replicas),
+               "initial_replicas": min(max(lo, self.num_replicas), self.max_replicas or self.num_replicas)}
+        if self.target_ongoing_requests is not None:
+            cfg["target_ongoing_requests"] = self.target_ongoing_requests
+        return cfg
+
+
+def build_app(engine_args, server_cfg, opts: ReplicaOptions):
+    """The Ray Serve application: Ingress(EngineReplica x N). Raises ValueError for bad options."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from mixserve.replicas.ingress import Ingress, IngressSettings
+    from mixserve.replicas.replica import EngineReplica
+
+    opts.validate()
+    engine_args.validate()
+    auto = opts.autoscaling()
+    threads = opts.threads or max(1, int(opts.cpus))
+    logs = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}
+    replica = serve.deployment(
+        EngineReplica, name="engine",
+        num_replicas=None if auto else opts.num_replicas, autoscaling_config=auto,
+        ray_actor_options={"num_cpus": opts.cpus, "num_gpus": opts.gpus,
+                           "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+        max_ongoing_requests=opts.max_ongoing_requests,
+        # the replica ends what outlives its own grace period; Ray's kill waits past that
+        graceful_shutdown_timeout_s=opts.grace_s + 15, graceful_shutdown_wait_loop_s=0.5,
+        health_check_period_s=2, health_check_timeout_s=30, logging_config=logs,
+        request_router_config=RequestRouterConfig(
+            request_router_class="mixserve.replicas.ray_router:MixserveRouter",
+            request_router_kwargs={"policy": opts.routing, "margin": opts.margin},
+            request_routing_stats_period_s=opts.stats_period_s, request_routing_stats_timeout_s=10),
+    )
+    settings = IngressSettings(model=engine_args.model, block_size=engine_args.block_size,
+                               route_blocks=opts.route_blocks, max_body_bytes=server_cfg.max_body_bytes,
+                               retries=opts.retries, per_key_salt=server_cfg.prefix_cache_salt == "per-key")
+    ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=100_000, graceful_shutdown_timeout_s=opts.grace_s + 30,
+                               graceful_shutdown_wait_loop_s=0.5, logging_config=logs)
+    return ingress.bind(replica.bind(engine_args, server_cfg, threads, opts.grace_s), settings)
+
+
+def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1", port: int = 8000,
+          ray_address: str | None = None) -> bool:
+    """Connect to Ray (`ray_address`, or a new local instance sized for the replicas), start
+    Serve's HTTP proxy on host:port and deploy the application; returns once every replica is
+    up. Returns whether a local Ray instance was started (stop() then shuts it down)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise SystemExit(f"serve --replicas needs Ray Serve ({e}): pip install -e '.[ray]'") from None
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    app = build_app(engine_args, server_cfg, opts)
+    local = ray_address is None
+    if local:
+        need = opts.cpus * max(opts.num_replicas, opts.max_replicas or 0)
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+                 configure_logging=True, logging_level=logging.WARNING)
+    else:
+        ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": host, "port": port},
+                logging_config={"enable_access_log": opts.access_log, "log_level": "WARNING"})
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    return local
+
+
+def stop(local: bool) -> None:
+    """Delete the application (replicas drain: see ReplicaOptions.grace_s), then shut Serve and
+    the local Ray instance down, or only disconnect from a cluster we joined."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        if local:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run(engine_args, server_cfg, opts: ReplicaOptions, host: str, port: int, ray_address: str | None) -> int:
+    """The command: start, serve until SIGTERM or SIGINT, then drain and stop."""
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    local = start(engine_args, server_cfg, opts, host, port, ray_address)
+    print(f"mixserve: {opts.num_replicas} replica(s) of {engine_args.model} behind http://{host}:{port} "
+          f"(routing {opts.routing})", flush=True)
+    try:
+        done.wait()
+    finally:
+        print("mixserve: draining", flush=True)
+        stop(local)
+    return 0

@@ -1,0 +1,65 @@
+"""The replica choice of `serve --replicas` (mixserve/replicas/routing.py), without Ray."""
+import random
+from collections import Counter
+
+import pytest
+
+from mixserve.replicas.routing import choose, rendezvous, route_key
+
+
+def test_route_key_hashes_whole_blocks_only():
+    ids = list(range(100))
+    assert route_key(ids[:15], 16, 4) is None  # no full block: nothing to steer by
+    k = route_key(ids, 16, 4)
+    assert k == route_key(ids[:64] + [7, 7, 7], 16, 4)  # only the first 4 blocks count
+    assert k != route_key([1] + ids[1:], 16, 4)
+    assert route_key(ids[:40], 16, 4) == route_key(ids[:47], 16, 4)  # 2 full blocks either way
+    assert route_key(ids[:40], 16, 4) != route_key(ids[:48], 16, 4)
+    assert route_key(ids, 16, 4, salt="a") != route_key(ids, 16, 4, salt="b") != k
+    with pytest.raises(ValueError):
+        route_key(ids, 0, 4)
+
+
+def test_rendezvous_moves_only_the_keys_of_a_replica_that_left():
+    names = [f"r{i}" for i in range(5)]
+    keys = range(2000)
+    before = {k: rendezvous(k, names) for k in keys}
+    share = Counter(before.values())
+    assert min(share.values()) > 300  # spread over all five
+    after = {k: rendezvous(k, names[:-1]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "r4" for k in moved)
+    assert rendezvous(5, list(reversed(names))) == rendezvous(5, names)  # order does not matter
+
+
+def test_prefix_affinity_yields_to_load_past_the_margin():
+    names = ["a", "b", "c"]
+    key = 12345
+    pref = rendezvous(key, names)
+    c = choose("prefix", names, {}, key=key, margin=2)
+    assert c.ranked[0] == pref and c.reason == "affinity" and sorted(c.ranked) == names
+    c = choose("prefix", names, {pref: 2}, key=key, margin=2)
+    assert c.ranked[0] == pref and c.reason == "affinity"  # 2 more than the shortest: still kept
+    loaded = {pref: 3}
+    for seed in range(20):
+        c = choose("prefix", names, loaded, key=key, margin=2, rng=random.Random(seed))
+        assert c.reason == "load" and c.ranked[0] != pref  # any two sampled: the shorter queue wins
+    c = choose("prefix", names, {}, key=None)
+    assert c.reason == "no_prefix"
+
+
+def test_round_robin_cycles_and_pow2_takes_the_shorter_of_two():
+    names = ["x", "y", "z"]
+    firsts = [choose("round-robin", names, {}, turn=t).ranked[0] for t in range(6)]
+    assert firsts == ["x", "y", "z", "x", "y", "z"]
+    q = {"x": 5, "y": 0, "z": 9}
+    for seed in range(30):
+        c = choose("pow2", names, q, rng=random.Random(seed))
+        assert c.reason == "pow2" and c.ranked[0] != "z"  # z loses to either of the others
+    # equal queues: ties are broken at random, not always the same replica
+    picks = {choose("pow2", names, {}, rng=random.Random(s)).ranked[0] for s in range(30)}
+    assert picks == set(names)
+    with pytest.raises(ValueError):
+        choose("nearest", names, {})
+    with pytest.raises(ValueError):
+        choose("pow2", [], {})
