@@ -141,20 +141,17 @@ class Ingress:
         if kind is None:
             return None
         try:
-            ids = self._prompt_ids(kind, json.loads(body))
+            parsed = json.loads(body)
+            ids = self._prompt_ids(kind, parsed)
         except Exception:  # noqa: BLE001 -- a bad body is the replica's to refuse, with its reason
             return None
         if not ids:
             return None
-        salt = None
-        try:
-            salt = json.loads(body).get("cache_salt")
-        except Exception:  # noqa: BLE001
-            pass
+        salt = parsed.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         if self.settings.per_key_salt:
             salt = f"{auth}\n{salt or ''}"
-        return route_key(ids, self.settings.block_size, self.settings.route_blocks,
-                         salt if isinstance(salt, str) else None)
+        return route_key(ids, self.settings.block_size, self.settings.route_blocks, salt)
 
     # -- metrics ---------------------------------------------------------------------------------
     def _replica_stats(self) -> dict[str, dict]:

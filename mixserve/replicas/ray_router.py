@@ -58,8 +58,8 @@ class MixserveRouter(RequestRouter):
             pending_request.kwargs["routed"] = c.reason
         # only the first as its own rank: Ray takes the first rank with room, so the others are
         # the fallback when the chosen replica's queue is full (max_ongoing_requests)
-        return [[by_name[c.ranked[0]]], [by_name[n] for n in c.ranked[1:]]] if len(c.ranked) > 1 \
-            else [[by_name[c.ranked[0]]]]
+        rest = [by_name[n] for n in c.ranked[1:]]
+        return [[by_name[c.ranked[0]]]] + ([rest] if rest else [])
 
     def replicas_stats(self) -> dict[str, dict]:
         """{replica name: the routing stats it last reported} for the live replicas."""

@@ -115,15 +115,12 @@ class EngineReplica:
         return sent.get_nowait() if not sent.empty() else None
 
     def record_routing_stats(self) -> dict:
-        """Ray Serve polls this (request_routing_stats_period_s) and hands it to the routers:
-        the engine's gauges and its whole Prometheus text, which the ingress's /metrics relabels."""
+        """Ray Serve polls this (request_routing_stats_period_s) and hands it to the routers: the
+        replica's name and pid and its whole Prometheus text (engine gauges included), which the
+        ingress's /metrics relabels with replica=<name>."""
         from prometheus_client import generate_latest
 
-        eng = self.engine
-        bm = eng.block_manager
-        return {"name": self.name, "pid": os.getpid(), "waiting": self.app.state.engine_loop.num_waiting,
-                "running": len(eng.scheduler.running), "kv_blocks_used": bm.num_used_blocks,
-                "kv_blocks_total": bm.num_blocks, "prefix_hits": bm.prefix_hits, "prefix_queries": bm.prefix_queries,
+        return {"name": self.name, "pid": os.getpid(),
                 "metrics": generate_latest(self.app.state.metrics.registry).decode()}
 
     def check_health(self) -> None:
