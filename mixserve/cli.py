@@ -403,7 +403,8 @@ def cmd_plan(a) -> int:
     from mixserve.models.registry import resolve_model
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.measure import load_quality
-    from mixserve.plan.planner import PlanSettings, make_plan, parse_slo, trace_requests
+    from mixserve.plan.planner import PlanSettings, make_plan, parse_replicas, parse_slo, trace_requests
+    from mixserve.replicas.routing import POLICIES
     from mixserve.plan.report import format_table, write_report
     from mixserve.plan.simulator import SpecSettings
 
@@ -417,13 +418,23 @@ def cmd_plan(a) -> int:
         raise ValueError(f"spec_k: measuring acceptance needs k >= 1 (got {a.spec_k})")
     if not 0 <= a.temperature < float("inf"):
         raise ValueError(f"temperature: must be finite and >= 0 (got {a.temperature})")
+    replicas = parse_replicas(a.replicas) if a.replicas is not None else None
+    if a.routing not in POLICIES:
+        raise ValueError(f"routing: one of {', '.join(POLICIES)} (got {a.routing!r})")
+    if a.target_rate is not None and not (0 < a.target_rate < float("inf")):
+        raise ValueError(f"target_rate: must be a finite number > 0 requests/s (got {a.target_rate})")
+    if a.target_rate is not None and not replicas:
+        raise ValueError("target_rate: needs --replicas (the counts to choose among)")
+    if replicas and not slo:
+        raise ValueError("replicas: the replica count is chosen against an SLO; --slo is empty")
     quality = load_quality(a.awq_quality) if a.awq_quality else None
     spec_given = a.spec_alpha is not None
     spec = SpecSettings(a.spec_alpha if spec_given else 0.6, a.spec_k, a.spec_draft_cost, "auto")
     ps = PlanSettings(block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                       max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                       kv_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, slo=slo,
-                      seed=a.seed, bisect_iters=a.bisect_iters)
+                      seed=a.seed, bisect_iters=a.bisect_iters, route_margin=a.route_margin,
+                      route_blocks=a.route_blocks)
     r = resolve_model(a.model)
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
@@ -447,7 +458,8 @@ def cmd_plan(a) -> int:
         from mixserve.plan.cost_model import gguf_format
 
         gguf = gguf_format(r.path)
-    plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr), gguf=gguf)
+    plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr), gguf=gguf,
+                            replicas=replicas, routing=a.routing, target_rate=a.target_rate)
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
     plan["spec_measured"] = measured
     plan["spec_given"] = spec_given
@@ -742,6 +754,14 @@ def main(argv=None) -> int:
     p.add_argument("--awq-quality", default=None,
                    help="an eval-ppl report of the AWQ model made with --baseline: its per-slice perplexity "
                         "change goes into the plan beside AWQ's speed")
+    p.add_argument("--replicas", default=None,
+                   help="scale-out: replica counts to simulate behind serve --replicas' router, e.g. 1,2,4,8")
+    p.add_argument("--routing", default="prefix", help="with --replicas: prefix | pow2 | round-robin")
+    p.add_argument("--route-margin", type=int, default=4,
+                   help="with --replicas: queued requests the prefix-preferred replica may hold over the least loaded")
+    p.add_argument("--route-blocks", type=int, default=4, help="with --replicas: full KV blocks in a route key")
+    p.add_argument("--target-rate", type=float, default=None,
+                   help="with --replicas: requests/s to serve; the plan names the fewest replicas meeting the SLO")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("mix", help="traffic mixes: describe a trace or data set, sample a trace")

@@ -53,6 +53,8 @@ class Variant:
     reserve: str = "max-model-len"
     spec: SpecSettings | None = None
     prefix_caching: bool = False  # the engine's automatic prefix caching (simulated, not assumed)
+    replicas: int = 1  # engines behind serve --replicas' router (simulator.SimConfig.replicas)
+    routing: str = "prefix"
 
 
 @dataclass
@@ -60,7 +62,8 @@ class PlanSettings:
     """Engine settings (EngineArgs names) plus the planner's own: slo (seconds by key),
     kv_bytes (None: memory left after weights on a datasheet device, else the engine default
     1 GiB), device_memory_fraction (share of a datasheet device's memory the engine may use),
-    seed (Poisson arrivals and acceptance draws), bisect_iters."""
+    seed (Poisson arrivals and acceptance draws), bisect_iters, route_margin and route_blocks
+    (serve --replicas' router settings, for variants with replicas)."""
 
     block_size: int = 16
     max_num_seqs: int = 256
@@ -71,9 +74,13 @@ class PlanSettings:
     device_memory_fraction: float = 0.9
     seed: int = 0
     bisect_iters: int = 10
+    route_margin: int = 4
+    route_blocks: int = 4
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "bisect_iters"):
+        if not isinstance(self.route_margin, int) or self.route_margin < 0:
+            raise ValueError(f"route_margin: must be an integer >= 0 (got {self.route_margin!r})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "bisect_iters", "route_blocks"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: must be an integer >= 1 (got {v!r})")
@@ -124,7 +131,8 @@ class Planner:
         return SimConfig(num_blocks=max(1, blocks), block_size=ps.block_size, max_num_seqs=ps.max_num_seqs,
                          max_num_batched_tokens=ps.max_num_batched_tokens, max_model_len=ps.max_model_len,
                          allocator=v.allocator, reserve=v.reserve, spec=v.spec, seed=ps.seed,
-                         prefix_caching=v.prefix_caching)
+                         prefix_caching=v.prefix_caching, replicas=v.replicas, routing=v.routing,
+                         route_margin=ps.route_margin, route_blocks=ps.route_blocks)
 
     def run(self, v: Variant, rate: float | None = None, reqs: list[SimRequest] | None = None) -> SimResult:
         """One simulation: rate None = the trace's own arrival times (all at 0 when it has none)."""
@@ -203,6 +211,60 @@ class Planner:
             out["_at_rate"] = mr["result"]
         out["_offline"] = off
         return out
+
+
+def parse_replicas(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] (distinct, ascending). Raises ValueError naming the bad part."""
+    out = set()
+    for part in text.split(","):
+        try:
+            n = int(part)
+        except ValueError:
+            raise ValueError(f"replicas: cannot read {part.strip()!r}; use e.g. 1,2,4,8") from None
+        if n < 1:
+            raise ValueError(f"replicas: counts must be >= 1 (got {n})")
+        out.add(n)
+    return sorted(out)
+
+
+def plan_replicas(planner: Planner, counts: list[int], routing: str = "prefix", target_rate: float | None = None,
+                  fmt: WeightFormat = BF16, log=print) -> tuple[dict, dict]:
+    """Scale-out: the engine as `serve` runs it by default (paged, prefix caching on, weights
+    `fmt`) on each of N replicas behind serve --replicas' router, for each N in `counts`.
+
+    Each N gets the planner's offline run, max rate under the SLO (bisection) and, with
+    `target_rate` (requests/s), one run at that Poisson rate. `needed` is the fewest replicas
+    whose run at the target rate meets the SLO without passing their capacity (None: none of the
+    counts does, or no target). Returns (JSON-ready dict, {name: evaluation} for plots).
+    Raises ValueError for a target rate that is not > 0.
+    """
+    if target_rate is not None and not target_rate > 0:
+        raise ValueError(f"target_rate: must be > 0 requests/s (got {target_rate})")
+    rows, evals = [], {}
+    for n in counts:
+        v = Variant(f"{n} replica{'s' if n > 1 else ''} ({routing})", fmt=fmt, prefix_caching=True,
+                    replicas=n, routing=routing)
+        log(f"simulating: {v.name}")
+        e = planner.evaluate(v)
+        evals[v.name] = e
+        off = e["_offline"]
+        row = {"replicas": n, "throughput_output_tokens_per_s": e["offline"]["output_tokens_per_s"],
+               "capacity_requests_per_s": e["offline"]["requests_per_s"],
+               "max_rate_per_s": e.get("max_rate", {}).get("rate_per_s", float("nan")),
+               "max_rate_limit": e.get("max_rate", {}).get("limit"),
+               "prefix_hit_rate": off.prefix_hit_rate, "route_reasons": off.route_reasons,
+               "requests_per_replica": [r["requests"] for r in off.replicas]}
+        if e.get("trace_arrivals"):
+            row["prefix_hit_rate_trace_arrivals"] = e["trace_arrivals"]["extra"]["prefix_cache_hit_rate"]
+        if target_rate is not None:
+            at = planner.run(v, target_rate)
+            row["at_target"] = {"meets_slo": planner.meets_slo(at) and target_rate <= row["capacity_requests_per_s"],
+                                "ttft_p99_s": at.report["ttft_s"]["p99"], "tpot_p99_s": at.report["tpot_s"]["p99"],
+                                "prefix_hit_rate": at.prefix_hit_rate}
+        rows.append(row)
+    needed = next((r["replicas"] for r in rows if r.get("at_target", {}).get("meets_slo")), None)
+    return {"routing": routing, "route_margin": planner.ps.route_margin, "route_blocks": planner.ps.route_blocks,
+            "format": fmt.name, "target_rate_per_s": target_rate, "needed": needed, "rows": rows}, evals
 
 
 def binding(cfg: ModelConfig, sm: StepModel, hw: dict, batch: StepBatch, fmt: WeightFormat = BF16) -> dict:
@@ -312,10 +374,13 @@ def default_variants(spec: SpecSettings, group_size: int = 128, gguf: WeightForm
 
 
 def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings,
-              spec: SpecSettings, log=print, gguf: WeightFormat | None = None) -> tuple[dict, dict]:
+              spec: SpecSettings, log=print, gguf: WeightFormat | None = None, replicas: list[int] | None = None,
+              routing: str = "prefix", target_rate: float | None = None) -> tuple[dict, dict]:
     """Everything `mixserve plan` reports. Returns (JSON-ready dict, {variant name: evaluation
     with the SimResults under "_offline" / "_at_rate"} for plots). gguf: a GGUF model's format
-    as stored (cost_model.gguf_format), planned as one more variant."""
+    as stored (cost_model.gguf_format), planned as one more variant. replicas, routing,
+    target_rate: the scale-out section (plan_replicas), under "replicas"; its evaluations are
+    returned under "_replicas"."""
     from mixserve.plan.cost_model import summary
 
     planner = Planner(cfg, sm, hw, reqs, ps)
@@ -398,4 +463,6 @@ def make_plan(cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest],
         "ranking": rows,
         "variants": {n: {k: v for k, v in e.items() if not k.startswith("_")} for n, e in evals.items()},
     }
+    if replicas:
+        plan["replicas"], evals["_replicas"] = plan_replicas(planner, replicas, routing, target_rate, log=log)
     return plan, evals

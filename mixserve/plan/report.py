@@ -26,6 +26,38 @@ def _hits(row: dict) -> str:
             + (f", {own:.0%} at the trace's arrivals" if own is not None else "") + ")")
 
 
+def _replica_lines(plan: dict) -> list[str]:
+    """The scale-out section (planner.plan_replicas), when planned."""
+    rp = plan.get("replicas")
+    if not rp:
+        return []
+    target = rp["target_rate_per_s"]
+    lines = ["", f"scale-out: N replicas behind serve --replicas' router (routing {rp['routing']}, margin "
+                 f"{rp['route_margin']}, {rp['route_blocks']} route blocks; each replica paged, prefix caching on, "
+                 f"{rp['format']})"]
+    head = ("replicas", "throughput tok/s", "capacity req/s", "max rate req/s", "hit rate")
+    if target is not None:
+        head += (f"at {target:g} req/s: TTFT p99 ms", "TPOT p99 ms", "SLO")
+    rows = [head]
+    for r in rp["rows"]:
+        row = (str(r["replicas"]), f"{r['throughput_output_tokens_per_s']:.1f}", f"{r['capacity_requests_per_s']:.3f}",
+               f"{r['max_rate_per_s']:.3f}" + (" (cap)" if r["max_rate_limit"] == "capacity" else ""),
+               f"{r['prefix_hit_rate']:.0%}")
+        if target is not None:
+            at = r["at_target"]
+            row += (_ms(at["ttft_p99_s"]), _ms(at["tpot_p99_s"]), "met" if at["meets_slo"] else "missed")
+        rows.append(row)
+    w = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  " + "  ".join(c.rjust(wi) for c, wi in zip(r, w)) for r in rows]
+    if target is None:
+        lines.append("  replicas needed: give --target-rate REQ_PER_S to have the plan pick the count")
+    elif rp["needed"] is None:
+        lines.append(f"  replicas needed for {target:g} requests/s under the SLO: more than {rp['rows'][-1]['replicas']}")
+    else:
+        lines.append(f"  replicas needed for {target:g} requests/s under the SLO: {rp['needed']}")
+    return lines
+
+
 def format_table(plan: dict) -> str:
     """The plan's headline numbers and the ranking, as plain text (latencies in ms)."""
     hw, b, kv = plan["hardware"], plan["baseline"], plan["kv"]
@@ -70,6 +102,7 @@ def format_table(plan: dict) -> str:
     w = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         lines.append("  ".join([r[0].ljust(w[0])] + [c.rjust(wi) for c, wi in zip(r[1:], w[1:])]))
+    lines += _replica_lines(plan)
     m = plan.get("spec_measured")
     lines.append("")
     if m:
@@ -107,6 +140,8 @@ def write_report(plan: dict, evals: dict, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "plan.json"]
     paths[0].write_text(json.dumps(plan, indent=1, default=str))
+    reps = evals.get("_replicas")
+    evals = {k: v for k, v in evals.items() if not k.startswith("_")}
     base_name = next(iter(evals))
     base = evals[base_name]
 
@@ -167,6 +202,25 @@ def write_report(plan: dict, evals: dict, out_dir: str | Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
+    if reps:
+        rows = plan["replicas"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ns = [r["replicas"] for r in rows]
+        ax.plot(ns, [r["max_rate_per_s"] for r in rows], marker="o", label="max rate under SLO")
+        ax.plot(ns, [r["capacity_requests_per_s"] for r in rows], marker=".", ls=":", label="capacity (all queued)")
+        if plan["replicas"]["target_rate_per_s"]:
+            ax.axhline(plan["replicas"]["target_rate_per_s"], color="k", ls="--", lw=1, label="target rate")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("replicas")
+        ax.set_ylabel("requests/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "replicas.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     hw = plan["hardware"]
     md = [f"# Capacity plan: {plan['settings'].get('model', '')}", "",
           f"Hardware: **{hw.get('name') or hw.get('model')}** ({hw['label']}). Simulated with the engine's own "
@@ -175,6 +229,7 @@ def write_report(plan: dict, evals: dict, out_dir: str | Path) -> list[Path]:
           "", "```", format_table(plan), "```", "",
           "![latency](latency_cdf.png)", "", "![rate sweep](rate_sweep.png)", "",
           "![optimizations](optimizations.png)", "",
+          *(["![replicas](replicas.png)", ""] if reps else []),
           "Speed-ups are over the baseline (paged KV, bf16, no speculation); for paging, the baseline over the "
           "contiguous allocator. Speculative decoding uses the acceptance α and draft cost c shown under the table "
           "(measured on a sample of this trace with --measure, else as given); AWQ w4 uses the profile's int4 "

@@ -80,7 +80,9 @@ class SimConfig:
     num_blocks: KV blocks of `block_size` tokens. allocator: "paged" (the engine's) or
     "contiguous" (a region of `reserve` tokens taken at admission: "max-model-len" or
     "max-tokens" = prompt + max_tokens; no external fragmentation, a best case for it).
-    prefix_caching: the engine's automatic prefix caching (paged only).
+    prefix_caching: the engine's automatic prefix caching (paged only). replicas: that many
+    engines, each with these settings (its own num_blocks), behind serve --replicas' router with
+    `routing`, `route_margin` and `route_blocks` (replicas/routing.py).
     """
 
     num_blocks: int
@@ -93,9 +95,19 @@ class SimConfig:
     reserve: str = "max-model-len"
     spec: SpecSettings | None = None
     seed: int = 0
+    replicas: int = 1  # engines behind the router, each with all of the settings above
+    routing: str = "prefix"  # replicas/routing.POLICIES
+    route_margin: int = 4  # serve's --route-margin
+    route_blocks: int = 4  # serve's --route-blocks
 
     def __post_init__(self):
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        from mixserve.replicas.routing import POLICIES
+
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing: one of {', '.join(POLICIES)} (got {self.routing!r})")
+        if self.route_margin < 0:
+            raise ValueError(f"route_margin: must be >= 0 (got {self.route_margin})")
+        for name in ("replicas", "route_blocks", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (got {getattr(self, name)})")
         if self.allocator not in ("paged", "contiguous"):
@@ -142,7 +154,8 @@ class SimResult:
     was produced; `metrics` the RequestMetrics (seconds of simulated time). `steps`:
     (start_s, end_s, tokens, seqs) per step. `report`: bench/metrics.build_report of the run,
     the same measures `mixserve bench` prints. rejected: indices of requests the engine's
-    check_request would refuse (never fit)."""
+    check_request would refuse (never fit). With replicas, peak_kv_blocks and peak_running_seqs
+    are the largest of one replica (memory is per engine), preemptions and prefix counters sums."""
 
     metrics: list[RequestMetrics | None]
     token_steps: list[list[int]]
@@ -157,6 +170,10 @@ class SimResult:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (first admissions)
     prefix_hits: int = 0  # of them, tokens served from it
     recompute_hits: int = 0  # tokens preempted requests found again in the cache
+    replica_of: list[int] = field(default_factory=list)  # the replica that served each request (-1: refused)
+    step_replica: list[int] = field(default_factory=list)  # the replica of each step
+    route_reasons: dict = field(default_factory=dict)  # routing.Choice reasons, counted (replicas > 1)
+    replicas: list[dict] = field(default_factory=list)  # per replica: requests, peak_kv_blocks, hit rate, busy_s
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -181,29 +198,59 @@ def _draw_accepted(rng: random.Random, alpha: float, k: int) -> int:
     return j
 
 
+class _Replica:
+    """One simulated engine: its own Scheduler, BlockManager and clock (`now`, the end of its
+    last step, or the time it was woken from idle)."""
+
+    def __init__(self, index: int, cfg: SimConfig):
+        self.index, self.cfg = index, cfg
+        self.reserve: dict[int, int] = {}
+        if cfg.allocator == "paged":
+            self.bm = BlockManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.prefix_caching)
+        else:
+            self.bm = ReservingAllocator(cfg.num_blocks, cfg.block_size, self.reserve)
+        self.sched = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.now = 0.0
+        self.peak_running = 0
+        self.requests = 0
+        self.live = 0  # requests admitted here and not finished
+        self.finishes: list[float] = []  # finish times not yet passed by the router's clock
+
+    def queue_len(self, t: float) -> int:
+        """Requests this replica holds at time t (running + waiting), as the router sees them:
+        finishes already simulated but later than t still count."""
+        self.finishes = [f for f in self.finishes if f > t]
+        return self.live + len(self.finishes)
+
+
 def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[StepBatch], float],
              max_steps: int = 10**7) -> SimResult:
     """Run `requests` through the engine's scheduler with simulated step times.
 
     step_time: seconds for a step of the given shape (e.g. StepModel.step_time with a format
-    bound). Requests are admitted in arrival order (ties: trace order).
+    bound). Requests are admitted in arrival order (ties: trace order). With cfg.replicas > 1,
+    each request is routed at its arrival to one of that many engines by replicas/routing.choose
+    (the policy `serve --replicas` uses) from the replicas' queue lengths at that instant and the
+    route key of its stand-in prompt ids; each engine steps on its own clock. Step indices in
+    `token_steps` then index the one `steps` list, in order of step start.
     Raises RuntimeError when the waiting head can never be scheduled (cannot happen for requests
     that pass the engine's check_request, which the simulator applies first).
     """
-    reserve: dict[int, int] = {}
-    if cfg.allocator == "paged":
-        bm = BlockManager(cfg.num_blocks, cfg.block_size, enable_caching=cfg.prefix_caching)
-    else:
-        bm = ReservingAllocator(cfg.num_blocks, cfg.block_size, reserve)
-    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+    from mixserve.replicas.routing import choose, route_key
+
+    reps = [_Replica(j, cfg) for j in range(cfg.replicas)]
+    names = [f"r{j}" for j in range(cfg.replicas)]
     rng = random.Random(cfg.seed)
+    route_rng = random.Random(f"route-{cfg.seed}")  # apart from the acceptance draws: N = 1 stays as it was
     n = len(requests)
     metrics: list[RequestMetrics | None] = [None] * n
     token_steps: list[list[int]] = [[] for _ in range(n)]
     first: list[float | None] = [None] * n
+    replica_of = [-1] * n
+    reasons: dict[str, int] = {}
     rejected = []
     order = sorted(range(n), key=lambda i: requests[i].arrival_s)
-    seqs: dict[int, tuple[int, Sequence]] = {}
+    seqs: dict[int, tuple[int, Sequence, _Replica]] = {}
     outputs: dict[int, list[int]] = {}  # seq_id -> the stand-in ids of its output tokens
     pending = []
     followers: dict[int, list[int]] = {}
@@ -225,6 +272,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 pending.sort(key=lambda k: (-arrive[k], -k))
 
     refused = set()
+    blocks_for = reps[0].bm.blocks_for
     for i in order:
         r = requests[i]
         total = r.prompt_tokens + r.output_tokens
@@ -232,7 +280,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         # (the engine refuses to start then; here every request is refused instead of a deadlock)
         region = cfg.max_model_len if cfg.allocator == "contiguous" and cfg.reserve == "max-model-len" else total
         if (r.prompt_tokens < 1 or r.output_tokens < 1 or total > cfg.max_model_len
-                or bm.blocks_for(max(total, region)) > cfg.num_blocks):
+                or blocks_for(max(total, region)) > cfg.num_blocks):
             rejected.append(i)
             refused.add(i)
             continue
@@ -242,34 +290,53 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     for i in sorted(refused):
         if requests[i].after is None:
             release(i, requests[i].arrival_s)
-    now = 0.0
-    steps = []
-    peak_running = 0
-    for _ in range(max_steps):
-        while pending and arrive[pending[-1]] <= now:
-            i = pending.pop()
-            r = requests[i]
-            ids = stand_in_ids(i, r)
-            seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,
-                                                                               ignore_eos=True))
-            outputs[seq.seq_id] = ids[r.prompt_tokens:]
-            seq.arrival_time = arrive[i]
-            seqs[seq.seq_id] = (i, seq)
-            reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
+
+    def admit(i: int) -> None:
+        r = requests[i]
+        ids = stand_in_ids(i, r)
+        t = arrive[i]
+        rep = reps[0]
+        if len(reps) > 1:
+            key = route_key(ids[:r.prompt_tokens], cfg.block_size, cfg.route_blocks)
+            q = {names[j]: reps[j].queue_len(t) for j in range(len(reps))}
+            c = choose(cfg.routing, names, q, key, cfg.route_margin, turn=sum(reasons.values()), rng=route_rng)
+            reasons[c.reason] = reasons.get(c.reason, 0) + 1
+            rep = reps[names.index(c.ranked[0])]
+        seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,
+                                                                           ignore_eos=True))
+        outputs[seq.seq_id] = ids[r.prompt_tokens:]
+        seq.arrival_time = t
+        seqs[seq.seq_id] = (i, seq, rep)
+        rep.reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
                                    else r.prompt_tokens + r.output_tokens)
-            sched.add(seq)
-        if not sched.has_unfinished:
-            if not pending:
-                break
-            now = max(now, arrive[pending[-1]])
+        if not rep.sched.has_unfinished:
+            rep.now = max(rep.now, t)  # an idle engine wakes at the arrival
+        rep.sched.add(seq)
+        rep.requests += 1
+        rep.live += 1
+        replica_of[i] = rep.index
+
+    steps = []
+    step_replica = []
+    inf = float("inf")
+    for _ in range(max_steps):
+        busy = [rep for rep in reps if rep.sched.has_unfinished]
+        rep = min(busy, key=lambda x: (x.now, x.index)) if busy else None
+        t_arrive = arrive[pending[-1]] if pending else inf
+        if rep is None and t_arrive == inf:
+            break
+        if t_arrive <= (rep.now if rep else inf):
+            # an arrival joins the waiting queue before a step that starts at or after it
+            admit(pending.pop())
             continue
+        sched, bm = rep.sched, rep.bm
         k = 0
         if cfg.spec is not None:
             k = _choose_k(cfg, sched, step_time)
         out = sched.schedule(lookahead=k)
         if not out.scheduled:
             if not sched.running and pending:
-                now = max(now, arrive[pending[-1]])
+                rep.now = max(rep.now, t_arrive)
                 continue
             raise RuntimeError("simulator: nothing can be scheduled (a request larger than the KV cache?)")
         batch = _step_batch(out.scheduled, with_lookahead=True)
@@ -280,9 +347,11 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
             dt = max(dt, step_time(_step_batch(out.scheduled, with_lookahead=False)))
         if k and cfg.spec.draft_cost:
             dt += _draft_time(cfg.spec, out, step_time)
-        t0, now = now, now + dt
+        t0 = rep.now
+        rep.now = now = t0 + dt
         step = len(steps)
         steps.append((t0, now, batch.num_tokens, batch.num_seqs))
+        step_replica.append(rep.index)
         # end and samples are read from num_computed_tokens: take them all before it moves
         done_now = [(s, s.end, s.samples) for s in out.scheduled]
         for s, end, _ in done_now:
@@ -304,6 +373,8 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
                 sched.finish(seq)
                 metrics[i] = RequestMetrics(seq.arrival_time, first[i], now, seq.num_prompt_tokens,
                                             seq.num_output_tokens)
+                rep.live -= 1
+                rep.finishes.append(now)
                 release(i, now)
             elif s.lookahead:
                 # as the engine's _spec_step: the last kept token is recomputed next step, and the
@@ -313,23 +384,34 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         if cfg.spec is not None:
             sched.commit(s.seq for s in out.scheduled)
         # after the step's finishes, as `mixserve bench` counts it
-        peak_running = max(peak_running, len(sched.running))
+        rep.peak_running = max(rep.peak_running, len(sched.running))
     else:
         raise RuntimeError(f"simulator: still running after {max_steps} steps")
     done = [m for m in metrics if m is not None]
     start = min((m.arrival_s for m in done), default=0.0)
     duration = max((m.finish_s for m in done), default=0.0) - start
     preempted = [0] * n
-    for i, seq in seqs.values():
+    for i, seq, _ in seqs.values():
         preempted[i] = seq.num_preemptions
-    res = SimResult(metrics, token_steps, preempted, steps,
-                    bm.peak_used, peak_running, sched.num_preemptions, duration, sorted(rejected))
-    res.prefix_queries, res.prefix_hits, res.recompute_hits = bm.prefix_queries, bm.prefix_hits, bm.recompute_hits
-    res.report = build_report(done, duration, {"peak_kv_blocks": bm.peak_used, "kv_blocks_total": cfg.num_blocks,
-                                               "prefix_cache_hit_rate": bm.prefix_hits / max(1, bm.prefix_queries),
-                                               "peak_running_seqs": peak_running,
-                                               "preemptions": sched.num_preemptions, "engine_steps": len(steps),
-                                               "rejected": len(rejected)})
+    peak_used = max(rep.bm.peak_used for rep in reps)
+    peak_running = max(rep.peak_running for rep in reps)
+    num_preemptions = sum(rep.sched.num_preemptions for rep in reps)
+    res = SimResult(metrics, token_steps, preempted, steps, peak_used, peak_running, num_preemptions, duration,
+                    sorted(rejected))
+    res.prefix_queries = sum(rep.bm.prefix_queries for rep in reps)
+    res.prefix_hits = sum(rep.bm.prefix_hits for rep in reps)
+    res.recompute_hits = sum(rep.bm.recompute_hits for rep in reps)
+    res.replica_of, res.step_replica, res.route_reasons = replica_of, step_replica, reasons
+    res.replicas = [{"replica": names[rep.index], "requests": rep.requests, "peak_kv_blocks": rep.bm.peak_used,
+                     "prefix_cache_hit_rate": rep.bm.prefix_hits / max(1, rep.bm.prefix_queries),
+                     "busy_s": sum(b - a for (a, b, _, _), j in zip(steps, step_replica) if j == rep.index)}
+                    for rep in reps]
+    extra = {"peak_kv_blocks": peak_used, "kv_blocks_total": cfg.num_blocks,
+             "prefix_cache_hit_rate": res.prefix_hit_rate, "peak_running_seqs": peak_running,
+             "preemptions": num_preemptions, "engine_steps": len(steps), "rejected": len(rejected)}
+    if cfg.replicas > 1:
+        extra.update(replicas=cfg.replicas, routing=cfg.routing, route_reasons=dict(reasons))
+    res.report = build_report(done, duration, extra)
     return res
 
 

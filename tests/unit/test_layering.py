@@ -34,7 +34,7 @@ ALLOWED = {
     "engine": {"kv", "layers", "models", "spec_decode"},
     "llm": {"engine"},
     "bench": {"engine", "kv", "models", "data"},
-    "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data"},
+    "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data", "replicas"},
     "server": {"engine", "kv"},
     "replicas": {"engine", "kv", "server", "models"},
 }

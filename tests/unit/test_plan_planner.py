@@ -7,7 +7,7 @@ import pytest
 from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import BF16, INT4, linear_shapes
 from mixserve.plan.hardware import fit_nonneg, load_step_model
-from mixserve.plan.planner import PlanSettings, Planner, Variant, binding, make_plan, parse_slo
+from mixserve.plan.planner import PlanSettings, Planner, Variant, binding, make_plan, parse_slo, plan_replicas
 from mixserve.plan.report import format_table, write_report
 from mixserve.plan.simulator import SimRequest, SpecSettings
 from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch
@@ -347,3 +347,38 @@ def test_planned_block_size_pads_decode_groups(tmp_path):
     # one row of 100 tokens: padded to 112 slots in blocks of 16, to 256 in blocks of 256
     assert small.decode_attention_time([100]) == pytest.approx(10e-6 + 112e-9)
     assert big.decode_attention_time([100]) == pytest.approx(10e-6 + 256e-9)
+
+
+def test_plan_replicas_picks_the_fewest_that_meet_the_slo(tmp_path):
+    sm = MeasuredModel(CFG, fake_profile())
+    ps = PlanSettings(kv_bytes=64 << 20, slo=parse_slo("ttft_p99=3s,tpot_p99=300ms"), bisect_iters=5)
+    pl = Planner(CFG, sm, {"kind": "measured"}, trace(), ps)
+    one, _ = plan_replicas(pl, [1], log=lambda m: None)
+    rate1 = one["rows"][0]["max_rate_per_s"]
+    assert rate1 > 0 and one["needed"] is None  # no target: nothing picked
+    # a target 1.5x one replica's max rate: one replica misses the SLO there, more replicas meet it
+    out, evals = plan_replicas(pl, [1, 2, 4], target_rate=1.5 * rate1, log=lambda m: None)
+    rows = {r["replicas"]: r for r in out["rows"]}
+    assert not rows[1]["at_target"]["meets_slo"]
+    assert rows[2]["at_target"]["meets_slo"] or rows[4]["at_target"]["meets_slo"]
+    assert out["needed"] == min(n for n, r in rows.items() if r["at_target"]["meets_slo"])
+    assert rows[2]["capacity_requests_per_s"] > 1.5 * rows[1]["capacity_requests_per_s"]
+    assert rows[4]["max_rate_per_s"] > rows[1]["max_rate_per_s"]
+    assert sum(rows[4]["requests_per_replica"]) == len(pl.reqs) and len(rows[4]["requests_per_replica"]) == 4
+    with pytest.raises(ValueError, match="target_rate"):
+        plan_replicas(pl, [1], target_rate=0.0)
+
+
+def test_plan_report_has_the_scale_out_section(tmp_path):
+    sm = MeasuredModel(CFG, fake_profile())
+    ps = PlanSettings(kv_bytes=32 << 20, max_model_len=2048, slo=parse_slo("ttft_p99=3s,tpot_p99=300ms"),
+                      bisect_iters=3)
+    plan, evals = make_plan(CFG, sm, {"kind": "measured", "label": "measured here", "model": "fake",
+                                      "bandwidth_bytes_per_s": 20e9}, trace(20), ps, SpecSettings(0.7, 3),
+                            log=lambda m: None, replicas=[1, 2], routing="pow2", target_rate=0.5)
+    assert [r["replicas"] for r in plan["replicas"]["rows"]] == [1, 2] and plan["replicas"]["routing"] == "pow2"
+    text = format_table(plan)
+    assert "scale-out" in text and "replicas needed for 0.5 requests/s" in text
+    paths = write_report(plan, evals, tmp_path / "r")
+    assert (tmp_path / "r" / "replicas.png") in paths
+    assert json.loads((tmp_path / "r" / "plan.json").read_text())["replicas"]["rows"][1]["replicas"] == 2
