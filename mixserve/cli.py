@@ -270,6 +270,12 @@ def cmd_serve(a) -> int:
     if a.api_keys:
         read_api_keys(a.api_keys)
     if a.replicas is None:
+        given = [f for f, v in (("--min-replicas", a.min_replicas), ("--max-replicas", a.max_replicas),
+                                ("--target-ongoing-requests", a.target_ongoing_requests),
+                                ("--replica-cpus", a.replica_cpus), ("--replica-threads", a.replica_threads),
+                                ("--ray-address", a.ray_address)) if v is not None]
+        if given:  # silently serving one engine would ignore what was asked for
+            raise ValueError(f"{', '.join(given)}: only with --replicas N (Ray Serve replicas)")
         eng = LLMEngine(engine_args(a))
         print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,

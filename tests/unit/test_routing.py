@@ -63,3 +63,25 @@ def test_round_robin_cycles_and_pow2_takes_the_shorter_of_two():
         choose("nearest", names, {})
     with pytest.raises(ValueError):
         choose("pow2", [], {})
+
+
+def test_replica_only_flags_without_replicas_are_refused(capsys):
+    from mixserve.cli import main
+
+    # refused before any model is loaded: the model path need not exist
+    for flags in (["--max-replicas", "3"], ["--ray-address", "auto"], ["--replica-cpus", "1"]):
+        assert main(["serve", "--model", "/nonexistent.gguf", *flags]) == 2
+        assert f"{flags[0]}: only with --replicas N" in capsys.readouterr().err
+
+
+def test_plan_replica_flags_are_checked_before_the_trace_loads(capsys):
+    from mixserve.cli import main
+
+    base = ["plan", "--trace", "/nonexistent.jsonl", "--model", "/nonexistent.gguf", "--hardware", "h100-sxm"]
+    for flags, msg in ((["--replicas", "1,0"], "replicas: counts must be >= 1"),
+                       (["--replicas", "2", "--routing", "random"], "routing: one of prefix"),
+                       (["--target-rate", "5"], "target_rate: needs --replicas"),
+                       (["--replicas", "2", "--target-rate", "-1"], "target_rate: must be a finite number > 0"),
+                       (["--replicas", "2", "--slo", ""], "the replica count is chosen against an SLO")):
+        assert main(base + flags) == 2
+        assert msg in capsys.readouterr().err
