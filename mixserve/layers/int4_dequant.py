@@ -215,14 +215,18 @@ def dequantize_int4pack(packed: torch.Tensor, scale_rows: torch.Tensor, zero_row
     """Dense [n, k] weight in scale_rows' dtype (float32 or bfloat16) from the kernel's packed
     uint8 weight and [n, k / group_size] scales and zeros (zero = (8 - z) * scale), written into
     `out` (contiguous, n * k elements of that dtype) or a new tensor; None when the compiled
-    kernel is unavailable (the caller falls back to eager ops).
+    kernel is unavailable or PyTorch's layout here is not the 64-row one it reads (the caller
+    falls back to eager ops).
 
     transposed=True writes W^T instead, [k, n] contiguous: the layout's 64-row blocks hold each
     input channel's 64 outputs side by side, so this form is written with contiguous (non-temporal)
     vector stores, for the many-row GEMM, which reads W^T as fast as W; `out` must then be 64-byte
     aligned, as PyTorch's CPU allocations are (RuntimeError otherwise)."""
+    from mixserve.layers.linear import int4pack_block
+
     mod = _load()
-    if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16):
+    # the C++ reads the 64-row blocks of PyTorch's AVX-512 build; other layouts take the eager path
+    if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16) or int4pack_block() != 64:
         return None
     shape = (k, n) if transposed else (n, k)
     if out is None:

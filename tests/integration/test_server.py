@@ -615,4 +615,7 @@ def test_prompt_scoring_limits_and_max_tokens_zero(server):
                    json={"model": NAME, "prompt": "one two three", "max_tokens": 2, "n": 2, "echo": True,
                          "logprobs": 0, "temperature": 0})
     a, b = (c["logprobs"] for c in r.json()["choices"])
-    assert a["tokens"][:3] == b["tokens"][:3] and a["token_logprobs"][1:3] == pytest.approx(b["token_logprobs"][1:3])
+    # the samples score the prompt in batches of other shapes: float32 sums in another order (an
+    # AVX2-only machine differed by 1.8e-5 at a logprob of -13)
+    assert a["tokens"][:3] == b["tokens"][:3] and \
+        a["token_logprobs"][1:3] == pytest.approx(b["token_logprobs"][1:3], rel=1e-5, abs=1e-4)
