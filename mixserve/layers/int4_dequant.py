@@ -6,12 +6,15 @@ eager ops (unpack, transpose, convert, scale) costs more than the bf16 GEMM it f
 torch.utils.cpp_extension and cached; without a compiler the eager chain in linear.py is used).
 
 Layout read (found by probing `_convert_weight_to_int4pack_for_cpu`; tests/unit/test_quant.py
-checks it): rows in blocks of 64 store rows r and r + 32 of a block as the low and high nibble of
+checks it): rows in blocks of B store rows r and r + B / 2 of a block as the low and high nibble of
 byte [k, r]; the remaining rows (a multiple of 16) form one block whose rows 2j and 2j + 1 are the
 low and high nibble of byte [k, j]. Output w[n, k] = (q - 8) * scale[n, k / g] + zero[n, k / g].
+B follows the vector width PyTorch dispatches to (64 with AVX-512, 32 with AVX2), so it is probed
+(`int4pack_block`); the C++ below reads B = 64, and other machines take the eager path.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -190,6 +193,39 @@ torch::Tensor dequant(torch::Tensor packed, torch::Tensor scales, torch::Tensor 
 }
 """
 
+def _unpack_int4pack_cpu(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
+    """Integers [n, k] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout, found by
+    probing it (tests/unit/test_quant.py checks it against the kernel): rows in blocks of `block`
+    (int4pack_block(): 64 where PyTorch's CPU kernels are built for AVX-512, 32 for AVX2) store row
+    r and r + block / 2 of a block as the low and high nibble of byte [k, r]; a tail of 16-row
+    blocks stores rows 2j and 2j + 1 as the low and high nibble of byte [k, j]."""
+    b = block or int4pack_block()
+    flat = packed.reshape(-1)
+    nb = n // b
+    main = flat[: nb * b * k // 2].view(nb, k, b // 2)
+    parts = [torch.cat([main & 15, main >> 4], -1).permute(0, 2, 1).reshape(nb * b, k)]
+    nt = n - nb * b
+    if nt:
+        tail = flat[nb * b * k // 2:].view(k, nt // 2)
+        parts.append(torch.stack([tail & 15, tail >> 4], -1).reshape(k, nt).t())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+@functools.cache
+def int4pack_block() -> int:
+    """Rows per block of PyTorch's CPU int4 layout on this machine, found by packing a known
+    matrix: the layout follows the vector width PyTorch dispatches to (4 x floats per vector: 64
+    with AVX-512, 32 with AVX2), so it is read off the kernel, never assumed.
+    Raises RuntimeError when no candidate reproduces the matrix (a layout this code does not know)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (80, 64), generator=g, dtype=torch.int32)  # 80 = blocks + a 16-row tail
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    for b in (64, 32, 16, 128):
+        if torch.equal(_unpack_int4pack_cpu(packed, 80, 64, b).to(torch.int32), q):
+            return b
+    raise RuntimeError("PyTorch's CPU int4 weight layout is not one this code reads (blocks of 16-128 rows)")
+
+
 def _load():
     return build_extension("mixserve_int4_dequant_v7", _SRC, ["dequant", "dequant_kn"])
 
@@ -222,8 +258,6 @@ def dequantize_int4pack(packed: torch.Tensor, scale_rows: torch.Tensor, zero_row
     input channel's 64 outputs side by side, so this form is written with contiguous (non-temporal)
     vector stores, for the many-row GEMM, which reads W^T as fast as W; `out` must then be 64-byte
     aligned, as PyTorch's CPU allocations are (RuntimeError otherwise)."""
-    from mixserve.layers.linear import int4pack_block
-
     mod = _load()
     # the C++ reads the 64-row blocks of PyTorch's AVX-512 build; other layouts take the eager path
     if mod is None or scale_rows.dtype not in (torch.float32, torch.bfloat16) or int4pack_block() != 64:

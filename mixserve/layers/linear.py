@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mixserve.layers import bf16_gemv, gguf_linear, graph_ops, int4_vnni
-from mixserve.layers.int4_dequant import dequantize_int4pack, scratch
+from mixserve.layers.int4_dequant import _unpack_int4pack_cpu, dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import (FLOAT_HEAD_ROWS, geomean, rotating_copies, switch_candidates,
                                            time_calls)
 
@@ -158,39 +157,6 @@ INT4_ROWS = (1, 4, 16, 32, 64, 128, 512)
 # largest weight (elements) dequantized into the reused scratch buffer: a 1.5B's fused gate/up
 # (27.5M) fits; larger ones get a fresh tensor per call
 SCRATCH_MAX_ELEMENTS = 32 << 20
-
-
-def _unpack_int4pack_cpu(packed: torch.Tensor, n: int, k: int, block: int | None = None) -> torch.Tensor:
-    """Integers [n, k] (uint8, 0..15) from `_convert_weight_to_int4pack_for_cpu`'s layout, found by
-    probing it (tests/unit/test_quant.py checks it against the kernel): rows in blocks of `block`
-    (int4pack_block(): 64 where PyTorch's CPU kernels are built for AVX-512, 32 for AVX2) store row
-    r and r + block / 2 of a block as the low and high nibble of byte [k, r]; a tail of 16-row
-    blocks stores rows 2j and 2j + 1 as the low and high nibble of byte [k, j]."""
-    b = block or int4pack_block()
-    flat = packed.reshape(-1)
-    nb = n // b
-    main = flat[: nb * b * k // 2].view(nb, k, b // 2)
-    parts = [torch.cat([main & 15, main >> 4], -1).permute(0, 2, 1).reshape(nb * b, k)]
-    nt = n - nb * b
-    if nt:
-        tail = flat[nb * b * k // 2:].view(k, nt // 2)
-        parts.append(torch.stack([tail & 15, tail >> 4], -1).reshape(k, nt).t())
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-@functools.cache
-def int4pack_block() -> int:
-    """Rows per block of PyTorch's CPU int4 layout on this machine, found by packing a known
-    matrix: the layout follows the vector width PyTorch dispatches to (4 x floats per vector: 64
-    with AVX-512, 32 with AVX2), so it is read off the kernel, never assumed.
-    Raises RuntimeError when no candidate reproduces the matrix (a layout this code does not know)."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (80, 64), generator=g, dtype=torch.int32)  # 80 = blocks + a 16-row tail
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    for b in (64, 32, 16, 128):
-        if torch.equal(_unpack_int4pack_cpu(packed, 80, 64, b).to(torch.int32), q):
-            return b
-    raise RuntimeError("PyTorch's CPU int4 weight layout is not one this code reads (blocks of 16-128 rows)")
 
 
 def int4_supported(out_features: int, in_features: int, group_size: int) -> str | None:

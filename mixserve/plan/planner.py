@@ -238,8 +238,12 @@ def plan_replicas(planner: Planner, counts: list[int], routing: str = "prefix", 
     counts does, or no target). Returns (JSON-ready dict, {name: evaluation} for plots).
     Raises ValueError for a target rate that is not > 0.
     """
-    if target_rate is not None and not target_rate > 0:
-        raise ValueError(f"target_rate: must be > 0 requests/s (got {target_rate})")
+    if target_rate is not None and not 0 < target_rate < math.inf:
+        raise ValueError(f"target_rate: must be a finite number > 0 requests/s (got {target_rate})")
+    if counts and counts[-1] > len(planner.reqs):
+        # a replica with no request measures nothing, and each one holds a whole simulated KV cache
+        raise ValueError(f"replicas: {counts[-1]} replicas for a trace of {len(planner.reqs)} requests; "
+                         "use a longer trace (--num-prompts) or fewer replicas")
     rows, evals = [], {}
     for n in counts:
         v = Variant(f"{n} replica{'s' if n > 1 else ''} ({routing})", fmt=fmt, prefix_caching=True,
@@ -256,6 +260,11 @@ def plan_replicas(planner: Planner, counts: list[int], routing: str = "prefix", 
                "requests_per_replica": [r["requests"] for r in off.replicas]}
         if e.get("trace_arrivals"):
             row["prefix_hit_rate_trace_arrivals"] = e["trace_arrivals"]["extra"]["prefix_cache_hit_rate"]
+        if len(planner.reqs) < n * planner.ps.max_num_seqs:
+            # all queued at once, the trace ends before n engines fill their batches: the drain time
+            # of a finite trace, not the replicas' steady-state capacity, bounds the figures
+            row["warning"] = (f"{len(planner.reqs)} requests cannot fill {n} x max_num_seqs "
+                              f"{planner.ps.max_num_seqs}: capacity and max rate are lower bounds")
         if target_rate is not None:
             at = planner.run(v, target_rate)
             row["at_target"] = {"meets_slo": planner.meets_slo(at) and target_rate <= row["capacity_requests_per_s"],

@@ -42,13 +42,17 @@ def _replica_lines(plan: dict) -> list[str]:
     for r in rp["rows"]:
         row = (str(r["replicas"]), f"{r['throughput_output_tokens_per_s']:.1f}", f"{r['capacity_requests_per_s']:.3f}",
                f"{r['max_rate_per_s']:.3f}" + (" (cap)" if r["max_rate_limit"] == "capacity" else ""),
-               f"{r['prefix_hit_rate']:.0%}")
+               f"{r['prefix_hit_rate']:.0%}" + (f" ({r['prefix_hit_rate_trace_arrivals']:.0%} at trace arrivals)"
+                                                 if r.get("prefix_hit_rate_trace_arrivals") is not None else ""))
         if target is not None:
             at = r["at_target"]
             row += (_ms(at["ttft_p99_s"]), _ms(at["tpot_p99_s"]), "met" if at["meets_slo"] else "missed")
         rows.append(row)
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(wi) for c, wi in zip(r, w)) for r in rows]
+    lines += [f"  warning ({r['replicas']} replicas): {r['warning']}" for r in rp["rows"] if r.get("warning")]
+    lines.append("  hit rate: all requests queued at t = 0 (they cannot reuse each other's new blocks); at the "
+                 "trace's own arrival times where it has them")
     if target is None:
         lines.append("  replicas needed: give --target-rate REQ_PER_S to have the plan pick the count")
     elif rp["needed"] is None:

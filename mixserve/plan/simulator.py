@@ -105,6 +105,10 @@ class SimConfig:
 
         if self.routing not in POLICIES:
             raise ValueError(f"routing: one of {', '.join(POLICIES)} (got {self.routing!r})")
+        for name in ("replicas", "route_blocks", "route_margin"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name}: must be an integer (got {v!r})")
         if self.route_margin < 0:
             raise ValueError(f"route_margin: must be >= 0 (got {self.route_margin})")
         for name in ("replicas", "route_blocks", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

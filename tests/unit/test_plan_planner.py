@@ -367,6 +367,13 @@ def test_plan_replicas_picks_the_fewest_that_meet_the_slo(tmp_path):
     assert sum(rows[4]["requests_per_replica"]) == len(pl.reqs) and len(rows[4]["requests_per_replica"]) == 4
     with pytest.raises(ValueError, match="target_rate"):
         plan_replicas(pl, [1], target_rate=0.0)
+    with pytest.raises(ValueError, match="target_rate"):
+        plan_replicas(pl, [1], target_rate=float("inf"))
+    # more replicas than requests measure nothing (and each holds a simulated KV cache)
+    with pytest.raises(ValueError, match=f"{len(pl.reqs) + 1} replicas for a trace of {len(pl.reqs)} requests"):
+        plan_replicas(pl, [1, len(pl.reqs) + 1], log=lambda m: None)
+    # a trace too short to fill the replicas' batches says its figures are lower bounds
+    assert all("lower bounds" in r["warning"] for r in out["rows"])  # len(trace) < n x 256
 
 
 def test_plan_report_has_the_scale_out_section(tmp_path):

@@ -80,6 +80,9 @@ def test_bad_replica_settings_are_refused():
         SimConfig(num_blocks=10, routing="random")
     with pytest.raises(ValueError, match="route_margin"):
         SimConfig(num_blocks=10, route_margin=-1)
+    for bad in (dict(replicas=2.5), dict(replicas=True), dict(replicas="2"), dict(route_margin=float("nan"))):
+        with pytest.raises(ValueError, match="must be an integer"):
+            SimConfig(num_blocks=10, **bad)
     assert parse_replicas("8, 1,2,2") == [1, 2, 8]
     for bad in ("0", "1,x", ""):
         with pytest.raises(ValueError, match="replicas"):
