@@ -95,7 +95,7 @@ class DenseLinear(nn.Module):
         if self.dense_weight_dtype() == torch.float32:
             return self._forward(x).float()
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < self.float_gemv_rows and self.weight is not None and bf16_gemv.available():
+        if x2.shape[0] < self.float_gemv_rows and self.weight is not None:
             y = bf16_gemv.gemv(x2, self.weight, self.bias, torch.float32)
         elif _MKLDNN and x2.dtype == torch.bfloat16:
             hi = self._forward(x2)
@@ -404,7 +404,8 @@ def float_dense_head_candidates(out_features: int, in_features: int, keep_plain:
         if timed:
             return timed
         base = torch.randn(out_features, in_features).to(torch.bfloat16)
-        for variant in ("onednn", "plain", "gemv"):
+        # the gemv variant only where its kernel exists (AVX512-BF16): elsewhere it is no candidate
+        for variant in ("onednn", "plain") + (("gemv",) if bf16_gemv.available() else ()):
             def make():
                 m = DenseLinear(base.clone())
                 m.set_impl("onednn" if variant == "onednn" else "plain")
@@ -458,7 +459,8 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
         pick = chooser.choose(f"float_head/{dt}/{n}x{k}{tied}", float_dense_head_candidates(n, k, lin.keep_plain),
                               "plain")
         lin.set_impl("onednn" if pick.startswith("onednn") else "plain")
-        lin.float_gemv_rows = int(pick.rsplit("gemv", 1)[1]) if "gemv" in pick else 0
+        # a pick cached on a machine with the gemv kernel is not one here
+        lin.float_gemv_rows = int(pick.rsplit("gemv", 1)[1]) if "gemv" in pick and bf16_gemv.available() else 0
     elif isinstance(lin, DenseLinear):
         key = f"dense_linear/{dt}/{lin.out_features}x{lin.in_features}"
         lin.set_impl(chooser.choose(key, dense_candidates(lin.out_features, lin.in_features, dtype), "plain"))
