@@ -240,11 +240,12 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
     Raises RuntimeError when the waiting head can never be scheduled (cannot happen for requests
     that pass the engine's check_request, which the simulator applies first).
     """
-    from mixserve.replicas.routing import choose, route_key
+    from mixserve.replicas.routing import PrefixTable, choose, route_keys
 
     reps = [_Replica(j, cfg) for j in range(cfg.replicas)]
     names = [f"r{j}" for j in range(cfg.replicas)]
     rng = random.Random(cfg.seed)
+    table = PrefixTable()  # the router's memory of where each prefix went
     route_rng = random.Random(f"route-{cfg.seed}")  # apart from the acceptance draws: N = 1 stays as it was
     n = len(requests)
     metrics: list[RequestMetrics | None] = [None] * n
@@ -301,9 +302,10 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         t = arrive[i]
         rep = reps[0]
         if len(reps) > 1:
-            key = route_key(ids[:r.prompt_tokens], cfg.block_size, cfg.route_blocks)
+            keys = route_keys(ids[:r.prompt_tokens], cfg.block_size, cfg.route_blocks)
             q = {names[j]: reps[j].queue_len(t) for j in range(len(reps))}
-            c = choose(cfg.routing, names, q, key, cfg.route_margin, turn=sum(reasons.values()), rng=route_rng)
+            c = choose(cfg.routing, names, q, keys, cfg.route_margin, turn=sum(reasons.values()), rng=route_rng,
+                       table=table)
             reasons[c.reason] = reasons.get(c.reason, 0) + 1
             rep = reps[names.index(c.ranked[0])]
         seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,

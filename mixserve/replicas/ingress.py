@@ -3,7 +3,7 @@
 Every HTTP request is forwarded whole to one replica (replicas/replica.py), which answers it with
 the single-engine server's own app; the ingress only adds routing, retries and the aggregated
 /metrics:
-- routing: for completions and chat it computes the route key (routing.route_key over the
+- routing: for completions and chat it computes the route keys (routing.route_keys over the
   prompt's first full KV blocks, after the chat template, tokenized with the model's tokenizer)
   and passes it to the engine deployment's request router (replicas/ray_router.py).
 - retries: a request whose replica dies (or is unreachable) before the first byte of its answer
@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Metric, generate_lates
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixserve.replicas.replica import REASON_HEADER, REPLICA_HEADER
-from mixserve.replicas.routing import route_key
+from mixserve.replicas.routing import route_keys
 
 log = logging.getLogger("mixserve.replicas")
 
@@ -136,7 +136,7 @@ class Ingress:
         ids = tok(text[:cut], add_special_tokens=special)["input_ids"]
         return ids[:-4] if len(text) > cut else ids
 
-    def _route_key(self, path: str, body: bytes, auth: str) -> int | None:
+    def _route_keys(self, path: str, body: bytes, auth: str) -> list[int] | None:
         kind = _GENERATE.get(path)
         if kind is None:
             return None
@@ -151,7 +151,7 @@ class Ingress:
         salt = salt if isinstance(salt, str) else None
         if self.settings.per_key_salt:
             salt = f"{auth}\n{salt or ''}"
-        return route_key(ids, self.settings.block_size, self.settings.route_blocks, salt)
+        return route_keys(ids, self.settings.block_size, self.settings.route_blocks, salt) or None
 
     # -- metrics ---------------------------------------------------------------------------------
     def _replica_stats(self) -> dict[str, dict]:
@@ -181,7 +181,7 @@ class Ingress:
         key = None
         if request.method == "POST" and path in _GENERATE and body:
             auth = request.headers.get("authorization", "")
-            key = await asyncio.get_running_loop().run_in_executor(self._tokenize, self._route_key, path, body, auth)
+            key = await asyncio.get_running_loop().run_in_executor(self._tokenize, self._route_keys, path, body, auth)
         answer = await self._forward(request.method, path, request.url.query.encode(), headers, body, key)
         if isinstance(answer, Response):
             return answer
@@ -223,7 +223,7 @@ class Ingress:
             if attempt:
                 self.retried.inc()
                 await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))  # let Ray see the dead replica
-            gen = self.replicas.handle_http.remote(method, path, query, headers, body, route_key=key)
+            gen = self.replicas.handle_http.remote(method, path, query, headers, body, route_keys=key)
             try:
                 _, status, hdr_list = await gen.__anext__()
                 _, first, more = await gen.__anext__()

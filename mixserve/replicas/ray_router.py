@@ -30,16 +30,21 @@ def live_routers() -> list:
 
 class MixserveRouter(RequestRouter):
     """Ranks replicas with routing.choose. request_router_kwargs: policy (routing.POLICIES),
-    margin (requests). A request's kwargs may carry `route_key` (int or None, routing.route_key)."""
+    margin (requests), table_size (route keys its PrefixTable keeps). A request's kwargs may carry
+    `route_keys` (list of int or None, routing.route_keys)."""
 
-    def initialize_state(self, policy: str = "prefix", margin: int = 4, **_: Any) -> None:
-        from mixserve.replicas.routing import POLICIES
+    def initialize_state(self, policy: str = "prefix", margin: int = 4, table_size: int = 1 << 16,
+                         **_: Any) -> None:
+        from mixserve.replicas.routing import POLICIES, PrefixTable
 
         if policy not in POLICIES:
             raise ValueError(f"routing policy: one of {', '.join(POLICIES)} (got {policy!r})")
         self.policy = policy
         self.margin = margin
         self._turns = itertools.count()
+        # recorded at the choice, for the first rank: Ray Serve calls on_request_routed only under
+        # its rejection protocol, and the first rank is taken unless its queue is full
+        self.table = PrefixTable(table_size)
         live_routers().append(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -51,9 +56,9 @@ class MixserveRouter(RequestRouter):
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         cache = self.replica_queue_len_cache
         queue = {n: cache.get(r.replica_id) or 0 for n, r in by_name.items()}
-        key = pending_request.kwargs.get("route_key") if pending_request is not None else None
+        keys = pending_request.kwargs.get("route_keys") if pending_request is not None else None
         turn = next(self._turns) if self.policy == "round-robin" else 0
-        c = choose(self.policy, list(by_name), queue, key=key, margin=self.margin, turn=turn)
+        c = choose(self.policy, list(by_name), queue, key=keys, margin=self.margin, turn=turn, table=self.table)
         if pending_request is not None:  # the replica echoes it in a header (routing counter)
             pending_request.kwargs["routed"] = c.reason
         # only the first as its own rank: Ray takes the first rank with room, so the others are

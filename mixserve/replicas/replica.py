@@ -51,10 +51,10 @@ class EngineReplica:
         self._closed = False
 
     async def handle_http(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
-                          body: bytes, route_key: int | None = None, routed: str = ""):
+                          body: bytes, route_keys: list[int] | None = None, routed: str = ""):
         """Run one HTTP request through the app. Yields ("start", status, [(name, value)...])
         once, then ("body", bytes) pieces (what the app sent since the last one, joined), the last
-        one ending the response. route_key is read by the router only; routed is the router's
+        one ending the response. route_keys are read by the router only; routed is the router's
         reason, echoed in the x-mixserve-route header."""
         sent: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()

@@ -6,10 +6,17 @@ N-replica simulation (plan/simulator.py) make the same choice from the same inpu
 Prefix affinity is rendezvous (highest-random-weight) hashing of a route key over the replica
 names: every router process maps a key to the same replica without sharing state, and when a
 replica leaves or joins only the keys it owned move (Thaler & Ravishankar, "Using name-based
-mappings to increase hit rates", IEEE/ACM ToN 1998). The route key is a hash of the prompt's first
-full KV blocks after the chat template, so requests that can share cached blocks meet on one
-replica; SGLang's router and vLLM's prefix-aware router make the same bet with a prefix tree.
-Affinity yields to load: when the preferred replica's queue is longer than the shortest by more
+mappings to increase hit rates", IEEE/ACM ToN 1998). The route keys are chain hashes of the
+prompt's first full KV blocks after the chat template (key i covers blocks 0..i, as the engine's
+prefix cache hashes them), so requests that can share cached blocks meet on one replica.
+
+A router also remembers where it sent each key (PrefixTable, an LRU map): a request whose keys
+run through the end of an earlier request's keys (a conversation's next turn, whose first turn
+had fewer full blocks than the route key takes) goes where that one went, a longest-prefix match
+as SGLang's router and vLLM's prefix-aware router make with a prefix tree. A match that ends at
+a block other requests already continued differently from (a shared system prompt) steers
+nothing: every replica soon caches such a prefix, so those requests spread by rendezvous on
+their own deepest key. Affinity yields to load: when the preferred replica's queue is longer than the shortest by more
 than `margin` requests, the request goes by power of two choices instead (Mitzenmacher, "The
 power of two choices in randomized load balancing", IEEE TPDS 2001).
 """
@@ -18,24 +25,84 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 POLICIES = ("prefix", "pow2", "round-robin")
 
 
-def route_key(token_ids: Sequence[int], block_size: int, max_blocks: int, salt: str | None = None) -> int | None:
-    """The route key of a prompt: a 64-bit hash of its first min(max_blocks, full blocks) blocks
-    of `block_size` token ids (and the salt, since salted blocks are shared only within one salt).
-    None when the prompt has no full block: nothing cacheable to steer by."""
+def route_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
+               salt: str | None = None) -> list[int]:
+    """The route keys of a prompt: one 64-bit chain hash per full block of `block_size` token ids,
+    for its first min(max_blocks, full blocks) blocks; key i hashes key i-1 and block i (and the
+    salt, since salted blocks are shared only within one salt). Empty when the prompt has no full
+    block: nothing cacheable to steer by. Raises ValueError for block_size or max_blocks < 1."""
     if block_size < 1 or max_blocks < 1:
         raise ValueError(f"block_size and max_blocks must be >= 1 (got {block_size}, {max_blocks})")
-    n = min(len(token_ids) // block_size, max_blocks) * block_size
-    if n == 0:
-        return None
-    h = hashlib.sha256((salt or "").encode() + b"\0")
-    h.update(struct.pack(f"<{n}q", *token_ids[:n]))
-    return int.from_bytes(h.digest()[:8], "little")
+    n = min(len(token_ids) // block_size, max_blocks)
+    keys: list[int] = []
+    prev = hashlib.sha256((salt or "").encode() + b"\0").digest()[:8]
+    for b in range(n):
+        block = token_ids[b * block_size:(b + 1) * block_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{block_size}q", *block)).digest()[:8]
+        keys.append(int.from_bytes(prev, "little"))
+    return keys
+
+
+def route_key(token_ids: Sequence[int], block_size: int, max_blocks: int, salt: str | None = None) -> int | None:
+    """The deepest of route_keys (the whole route prefix in one key), or None without a full block."""
+    keys = route_keys(token_ids, block_size, max_blocks, salt)
+    return keys[-1] if keys else None
+
+
+_FORK = -1  # successor of a key that requests continued in more than one way
+
+
+class PrefixTable:
+    """Where a router sent each route key: an LRU map key -> (replica name, successor key).
+
+    capacity: keys kept (the oldest are forgotten first). One table per router: routers in
+    other processes fall back to rendezvous, which they agree on without sharing state.
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 (got {capacity})")
+        self.capacity = capacity
+        self._map: OrderedDict[int, list] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def match(self, keys: Sequence[int], names: Sequence[str]) -> tuple[str | None, int]:
+        """(replica, matched blocks) of the longest prefix of `keys` sent to a live replica (one
+        of `names`) that no other request continued differently from; (None, 0) when none."""
+        live = set(names)
+        for d in range(len(keys), 0, -1):
+            entry = self._map.get(keys[d - 1])
+            if entry is None or entry[0] not in live:
+                continue
+            nxt = entry[1]
+            if d < len(keys) and nxt is not None and nxt != keys[d]:
+                return None, 0  # a shared prefix others went on from: no owner
+            return entry[0], d
+        return None, 0
+
+    def record(self, keys: Sequence[int], name: str) -> None:
+        """Remember that a request with these route keys went to replica `name`."""
+        for i, k in enumerate(keys):
+            entry = self._map.get(k)
+            nxt = keys[i + 1] if i + 1 < len(keys) else None
+            if entry is None:
+                self._map[k] = [name, nxt]
+            else:
+                entry[0] = name
+                if nxt is not None and entry[1] != nxt:
+                    entry[1] = nxt if entry[1] is None else _FORK
+                self._map.move_to_end(k)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
 
 
 def rendezvous(key: int, names: Sequence[str]) -> str:
@@ -55,12 +122,15 @@ class Choice:
     reason: str
 
 
-def choose(policy: str, names: Sequence[str], queue_len: dict[str, int], key: int | None = None,
-           margin: int = 4, turn: int = 0, rng: random.Random | None = None) -> Choice:
+def choose(policy: str, names: Sequence[str], queue_len: dict[str, int],
+           key: int | Sequence[int] | None = None, margin: int = 4, turn: int = 0,
+           rng: random.Random | None = None, table: PrefixTable | None = None) -> Choice:
     """Rank replicas for one request.
 
     policy: one of POLICIES. names: the live replicas. queue_len: requests each one holds
-    (running + waiting; missing counts as 0). key: the request's route_key (prefix policy).
+    (running + waiting; missing counts as 0). key: the request's route_keys (or one route_key;
+    prefix policy). table: the router's PrefixTable: its longest match is preferred to the
+    rendezvous of the deepest key, and the chosen replica is recorded in it.
     margin: how many more queued requests than the least-loaded replica the preferred one may
     hold and keep the request. turn: the round-robin counter (the caller increments it).
     Ties in queue length are broken at random (`rng`, default the module's).
@@ -81,13 +151,21 @@ def choose(policy: str, names: Sequence[str], queue_len: dict[str, int], key: in
     if policy == "round-robin":
         first = order[turn % len(order)]
         return Choice([first] + by_load([n for n in order if n != first]), "round_robin")
-    if policy == "prefix" and key is not None:
-        pref = rendezvous(key, order)
+    keys = [key] if isinstance(key, int) else list(key or ())
+    if policy == "prefix" and keys:
+        pref = table.match(keys, order)[0] if table is not None else None
+        pref = pref or rendezvous(keys[-1], order)
         if q[pref] <= min(q.values()) + margin:
-            return Choice([pref] + by_load([n for n in order if n != pref]), "affinity")
+            c = Choice([pref] + by_load([n for n in order if n != pref]), "affinity")
+        else:
+            c = None
         reason = "load"
     else:
-        reason = "no_prefix" if policy == "prefix" else "pow2"
-    two = rng.sample(order, min(2, len(order)))
-    ranked = by_load(two)
-    return Choice(ranked + by_load([n for n in order if n not in ranked]), reason)
+        c, reason = None, ("no_prefix" if policy == "prefix" else "pow2")
+    if c is None:
+        two = rng.sample(order, min(2, len(order)))
+        ranked = by_load(two)
+        c = Choice(ranked + by_load([n for n in order if n not in ranked]), reason)
+    if table is not None and keys:
+        table.record(keys, c.ranked[0])
+    return c

@@ -89,3 +89,29 @@ def test_bad_replica_settings_are_refused():
             parse_replicas(bad)
     with pytest.raises(ValueError, match="route_blocks"):
         PlanSettings(route_blocks=0)
+
+
+def test_a_conversation_stays_put_though_its_first_turn_is_shorter_than_the_route_key():
+    # 3 chats x 3 closed-loop turns on 2 replicas; blocks of 2, route key 4 blocks. Every chat
+    # opens with one shared block, then 4 tokens of its own: 3 full blocks, fewer than the key's
+    # 4, so turn 1's deepest key differs from turn 2's. The router's table keeps the chat on the
+    # replica turn 1 went to; the shared block alone steers nothing.
+    from mixserve.plan.simulator import stand_in_ids
+
+    system = [900, 901]
+    reqs: list[SimRequest] = []
+    for c in range(3):
+        prev, ids = None, system + [5000 + 10 * c + j for j in range(4)]
+        for turn in range(3):
+            r = SimRequest(len(ids), 2, 0.0, token_ids=ids, after=prev)
+            reqs.append(r)
+            prev = len(reqs) - 1
+            ids = stand_in_ids(prev, r) + [2000 + 100 * c + 10 * turn + j for j in range(4)]
+    kw = dict(num_blocks=200, block_size=2, prefix_caching=True, replicas=2, route_blocks=4)
+    pre = simulate(reqs, SimConfig(**kw, routing="prefix"), ONE)
+    rr = simulate(reqs, SimConfig(**kw, routing="round-robin"), ONE)
+    for c in range(3):
+        assert len({pre.replica_of[3 * c + t] for t in range(3)}) == 1, pre.replica_of
+    assert pre.route_reasons == {"affinity": 9}
+    assert pre.prefix_hits > rr.prefix_hits
+    assert len(set(pre.replica_of)) == 2  # the chats still spread over both replicas

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from mixserve.replicas.routing import choose, rendezvous, route_key
+from mixserve.replicas.routing import PrefixTable, choose, rendezvous, route_key, route_keys
 
 
 def test_route_key_hashes_whole_blocks_only():
@@ -85,3 +85,44 @@ def test_plan_replica_flags_are_checked_before_the_trace_loads(capsys):
                        (["--replicas", "2", "--slo", ""], "the replica count is chosen against an SLO")):
         assert main(base + flags) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_chain_keys_are_prefixes_of_each_other():
+    ids = list(range(200))
+    keys = route_keys(ids, 16, 4)
+    assert len(keys) == 4 and route_keys(ids[:40], 16, 4) == keys[:2]  # a short turn's keys lead the long one's
+    assert route_keys(ids[:15], 16, 4) == [] and route_key(ids, 16, 4) == keys[-1]
+    assert route_keys([9] + ids[1:], 16, 4)[0] != keys[0]
+
+
+def test_next_turn_follows_a_short_first_turn_and_shared_prefixes_spread():
+    names = [f"r{i}" for i in range(4)]
+    system = list(range(1000, 1016))  # one block every chat starts with
+    table = PrefixTable()
+    homes = {}
+    for conv in range(40):
+        turn1 = system + [conv] * 20  # two full blocks: fewer than the route key's four
+        c1 = choose("prefix", names, {}, key=route_keys(turn1, 16, 4), table=table)
+        turn2 = turn1 + [7] * 60  # the next turn: the whole first turn plus more
+        c2 = choose("prefix", names, {}, key=route_keys(turn2, 16, 4), table=table)
+        assert c1.reason == c2.reason == "affinity"
+        assert c2.ranked[0] == c1.ranked[0]  # the stateless key alone would move it 3 times in 4
+        homes[conv] = c1.ranked[0]
+    assert len(set(homes.values())) == 4  # the shared system block steers nothing: all replicas used
+    # without the table the two turns' deepest keys differ and land apart for most conversations
+    apart = sum(rendezvous(route_keys(system + [v] * 20, 16, 4)[-1], names)
+                != rendezvous(route_keys(system + [v] * 20 + [7] * 60, 16, 4)[-1], names) for v in range(40))
+    assert apart > 10
+
+
+def test_prefix_table_forgets_the_oldest_and_skips_dead_replicas():
+    t = PrefixTable(capacity=3)
+    t.record([1, 2], "a")
+    assert t.match([1, 2, 3], ["a", "b"]) == ("a", 2)
+    assert t.match([1, 2, 3], ["b"]) == (None, 0)  # a's gone: its entries steer nothing
+    t.record([4, 5], "b")  # 4 entries > 3: key 1 is forgotten
+    assert len(t) == 3 and t.match([1], ["a", "b"]) == (None, 0) and t.match([4, 5], ["b"]) == ("b", 2)
+    t.record([4, 6], "a")  # 4 now continues two ways: a fork
+    assert t.match([4, 7], ["a", "b"]) == (None, 0) and t.match([4, 6, 8], ["a", "b"]) == ("a", 2)
+    with pytest.raises(ValueError):
+        PrefixTable(0)
