@@ -12,6 +12,8 @@ import logging
 import os
 import signal
 import threading
+import dataclasses
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("mixserve.replicas")
@@ -93,6 +95,9 @@ def build_app(engine_args, server_cfg, opts: ReplicaOptions):
 
     opts.validate()
     engine_args.validate()
+    if server_cfg.record_mix and server_cfg.record_mix_t0 is None:
+        # one clock for every replica's lines: the file is one trace (on each node's own disk)
+        server_cfg = dataclasses.replace(server_cfg, record_mix_t0=time.time())
     auto = opts.autoscaling()
     threads = opts.threads or max(1, int(opts.cpus))
     logs = {"enable_access_log": opts.access_log, "log_level": "INFO" if opts.access_log else "WARNING"}

@@ -61,7 +61,9 @@ class ServerConfig:
         salt starts with its key's name, so one tenant never hits, and so can never time,
         another's cached prompts (the side channel of CVE-2025-46570).
     record_mix: a JSONL path the server appends one trace line per finished request to
-        (server/mix_record.py); record_mix_text: with the prompt and output text.
+        (server/mix_record.py); record_mix_text: with the prompt and output text;
+        record_mix_t0: the time.time() its arrival_s counts from (default: the app's start; the
+        replicas of serve --replicas share the command's, so their lines form one trace).
     tag_header: the request header whose value tags a request (else the key's name, else "serve").
     """
 
@@ -76,6 +78,7 @@ class ServerConfig:
     prefix_cache_salt: str = "none"
     record_mix: str | None = None
     record_mix_text: bool = False
+    record_mix_t0: float | None = None
     tag_header: str = "x-mixserve-tag"
 
     def __post_init__(self):
@@ -201,7 +204,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     if cfg.record_mix:
         from mixserve.server.mix_record import MixRecorder
 
-        recorder = MixRecorder(cfg.record_mix, cfg.served_model_name, engine.args.block_size, cfg.record_mix_text)
+        recorder = MixRecorder(cfg.record_mix, cfg.served_model_name, engine.args.block_size, cfg.record_mix_text,
+                               t0=cfg.record_mix_t0)
     jobs: dict[str, _Job] = {}  # submitted and not yet answered, by id
     jobs_done = asyncio.Event()  # set while `jobs` is empty
     jobs_done.set()

@@ -11,6 +11,7 @@ reply's blocks by the next turn, can be replayed without the text.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -29,18 +30,21 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None) -> lis
 
 
 class MixRecorder:
-    """Appends trace lines to `path` (created if missing). Thread-safe; each line is flushed.
+    """Appends trace lines to `path` (created if missing). Thread-safe; each line is one
+    O_APPEND write, so several processes (the replicas of serve --replicas) can share a file
+    without interleaving their lines.
 
     Args: path; model (the served name, written in every line); block_size (the engine's);
-    text: also write the prompt and output text (`prompt`, `output_text`).
+    text: also write the prompt and output text (`prompt`, `output_text`); t0: the time.time()
+    that arrival_s counts from (default: now).
     Raises OSError at construction when the file cannot be opened for appending.
     """
 
-    def __init__(self, path: str, model: str, block_size: int, text: bool = False):
+    def __init__(self, path: str, model: str, block_size: int, text: bool = False, t0: float | None = None):
         self.path, self.model, self.block_size, self.text = path, model, block_size, text
-        self._f = open(path, "a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
-        self._t0 = time.time()
+        self._t0 = time.time() if t0 is None else t0
         self.num_written = 0
 
     def record(self, *, arrival_wall: float, prompt_ids: list[int], output_ids: list[int], cached_tokens: int,
@@ -59,12 +63,18 @@ class MixRecorder:
             line["prompt_tokens"] = len(prompt_ids)
         if not output_ids:  # max_tokens 0 (prompt scoring): a trace line asks for >= 1 output token
             line["output_tokens"], line["prompt_only"] = 1, True
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8")
         with self._lock:
-            self._f.write(json.dumps(line, ensure_ascii=False) + "\n")
-            self._f.flush()
+            if self._fd < 0:
+                raise ValueError(f"record-mix: {self.path} is closed")
+            done = os.write(self._fd, data)
+            while done < len(data):  # a short write (disk full, signal): finish the line
+                done += os.write(self._fd, data[done:])
             self.num_written += 1
         return line
 
     def close(self) -> None:
         with self._lock:
-            self._f.close()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
