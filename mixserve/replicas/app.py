@@ -140,7 +140,9 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
     local = ray_address is None
     if local:
         need = opts.cpus * max(opts.num_replicas, opts.max_replicas or 0)
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+        # "local": a new instance even when `ray start` left one running here (or RAY_ADDRESS
+        # names one): without that Ray would join it, and stopping would shut down its Serve
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
                  configure_logging=True, logging_level=logging.WARNING)
     else:
         ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)

@@ -79,12 +79,14 @@ def test_plan_replica_flags_are_checked_before_the_trace_loads(capsys):
 
     base = ["plan", "--trace", "/nonexistent.jsonl", "--model", "/nonexistent.gguf", "--hardware", "h100-sxm"]
     for flags, msg in ((["--replicas", "1,0"], "replicas: counts must be >= 1"),
-                       (["--replicas", "2", "--routing", "random"], "routing: one of prefix"),
                        (["--target-rate", "5"], "target_rate: needs --replicas"),
                        (["--replicas", "2", "--target-rate", "-1"], "target_rate: must be a finite number > 0"),
                        (["--replicas", "2", "--slo", ""], "the replica count is chosen against an SLO")):
         assert main(base + flags) == 2
         assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # an argparse choice, as in serve
+        main(base + ["--replicas", "2", "--routing", "random"])
+    assert e.value.code == 2 and "invalid choice: 'random'" in capsys.readouterr().err
 
 
 def test_chain_keys_are_prefixes_of_each_other():
