@@ -85,6 +85,11 @@ def main():
     common = ["--kv-cache-memory", a.kv_cache_memory, "--served-model-name", "m"]
     replicas = ["--replicas", "2", "--replica-cpus", "1", "--replica-threads", "1"]
     out = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "args": vars(a), "cores": cores}
+    print(json.dumps({k: out[k] for k in ("machine", "date", "cores")}), flush=True)
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1))
 
     if not a.skip_throughput:
         tok = load_tokenizer(a.model)
@@ -106,6 +111,7 @@ def main():
         out["throughput"] = {"rows": rows, "throughput_ratio_2rep_over_1": two["output_tokens_per_s"]
                              / one["output_tokens_per_s"],
                              "ttft_p50_ratio_2rep_over_1": two["ttft_s"]["p50"] / one["ttft_s"]["p50"]}
+        save()
 
     trace = Path("/tmp/replicas_multiturn.jsonl")
     import subprocess
@@ -138,9 +144,8 @@ def main():
             "routes": {r: sum(e["route"] == r for e in log) for r in sorted({e["route"] for e in log})},
             "cached_tokens_reported": sum(e["cached_tokens"] or 0 for e in log)}
         print(policy, json.dumps(routing[policy]), flush=True)
-    out["routing"] = routing
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+        out["routing"] = routing
+        save()
     print(f"wrote {a.out}")
 
 
