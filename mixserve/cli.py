@@ -273,7 +273,10 @@ def cmd_serve(a) -> int:
         given = [f for f, v in (("--min-replicas", a.min_replicas), ("--max-replicas", a.max_replicas),
                                 ("--target-ongoing-requests", a.target_ongoing_requests),
                                 ("--replica-cpus", a.replica_cpus), ("--replica-threads", a.replica_threads),
-                                ("--ray-address", a.ray_address)) if v is not None]
+                                ("--ray-address", a.ray_address), ("--replica-gpus", a.replica_gpus),
+                                ("--routing", a.routing), ("--route-margin", a.route_margin),
+                                ("--route-blocks", a.route_blocks), ("--replica-retries", a.replica_retries))
+                 if v is not None]
         if given:  # silently serving one engine would ignore what was asked for
             raise ValueError(f"{', '.join(given)}: only with --replicas N (Ray Serve replicas)")
         eng = LLMEngine(engine_args(a))
@@ -288,9 +291,11 @@ def cmd_serve(a) -> int:
         from mixserve.replicas.app import ReplicaOptions, run
 
         cpus = a.replica_cpus if a.replica_cpus is not None else float(max(1, (os.cpu_count() or 1) // max(1, a.replicas)))
-        opts = ReplicaOptions(num_replicas=a.replicas, cpus=cpus, gpus=a.replica_gpus,
-                              threads=a.replica_threads, routing=a.routing, margin=a.route_margin,
-                              route_blocks=a.route_blocks, retries=a.replica_retries, min_replicas=a.min_replicas,
+        opts = ReplicaOptions(num_replicas=a.replicas, cpus=cpus, gpus=a.replica_gpus or 0.0,
+                              threads=a.replica_threads, routing=a.routing or "prefix",
+                              margin=4 if a.route_margin is None else a.route_margin,
+                              route_blocks=4 if a.route_blocks is None else a.route_blocks,
+                              retries=2 if a.replica_retries is None else a.replica_retries, min_replicas=a.min_replicas,
                               max_replicas=a.max_replicas, target_ongoing_requests=a.target_ongoing_requests,
                               grace_s=a.shutdown_grace, access_log=a.access_log)
         return run(engine_args(a), cfg, opts, a.host, a.port, a.ray_address)
@@ -450,6 +455,9 @@ def cmd_plan(a) -> int:
                           a.conversations_at_once)
     if not reqs:
         raise ValueError("trace: no requests")
+    if replicas and max(replicas) > len(reqs):  # before the minutes of simulation, not after
+        raise ValueError(f"replicas: {max(replicas)} replicas for a trace of {len(reqs)} requests; "
+                         "use a longer trace (--num-prompts) or fewer replicas")
     measured = None
     if a.measure:
         measured = _measure_spec(a)
@@ -650,19 +658,19 @@ def main(argv=None) -> int:
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas behind one endpoint on Ray Serve (each loads the model; every "
                         "engine flag applies to each)")
-    g.add_argument("--routing", default="prefix", choices=["prefix", "pow2", "round-robin"],
+    g.add_argument("--routing", default=None, choices=["prefix", "pow2", "round-robin"],
                    help="prefix: the replica that likely holds the prompt's first KV blocks, unless its queue is "
                         "--route-margin longer than the shortest; pow2: the shorter queue of two random replicas "
-                        "(default %(default)s)")
-    g.add_argument("--route-margin", type=int, default=4,
+                        "(default prefix)")
+    g.add_argument("--route-margin", type=int, default=None,
                    help="requests the prefix-preferred replica may queue beyond the least-loaded one (default 4)")
-    g.add_argument("--route-blocks", type=int, default=4,
-                   help="full KV blocks of the prompt (after the chat template) hashed into its route key (default 4)")
+    g.add_argument("--route-blocks", type=int, default=None,
+                   help="KV blocks of the prompt (after the chat template) its route keys cover (default 4)")
     g.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs each replica asks Ray for (default: this machine's cores / N, at least 1)")
-    g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica asks Ray for (default 0)")
+    g.add_argument("--replica-gpus", type=float, default=None, help="GPUs each replica asks Ray for (default 0)")
     g.add_argument("--replica-threads", type=int, default=None, help="torch threads per replica (default: its CPUs)")
-    g.add_argument("--replica-retries", type=int, default=2,
+    g.add_argument("--replica-retries", type=int, default=None,
                    help="tries after the first for a request whose replica died before answering (default 2)")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (Ray Serve)")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (Ray Serve)")

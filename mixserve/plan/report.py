@@ -50,7 +50,8 @@ def _replica_lines(plan: dict) -> list[str]:
         rows.append(row)
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(wi) for c, wi in zip(r, w)) for r in rows]
-    lines += [f"  warning ({r['replicas']} replicas): {r['warning']}" for r in rp["rows"] if r.get("warning")]
+    lines += [f"  warning ({r['replicas']} replica{'s' if r['replicas'] != 1 else ''}): {r['warning']}"
+              for r in rp["rows"] if r.get("warning")]
     lines.append("  hit rate: all requests queued at t = 0 (they cannot reuse each other's new blocks); at the "
                  "trace's own arrival times where it has them")
     if target is None:

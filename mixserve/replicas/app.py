@@ -8,12 +8,14 @@ replica that owns an engine (replicas/replica.py) and the ingress (replicas/ingr
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
-import dataclasses
 import time
+import uuid
 from dataclasses import dataclass
 
 log = logging.getLogger("mixserve.replicas")
@@ -85,8 +87,38 @@ class ReplicaOptions:
         return cfg
 
 
-def build_app(engine_args, server_cfg, opts: ReplicaOptions):
-    """The Ray Serve application: Ingress(EngineReplica x N). Raises ValueError for bad options."""
+DRAIN_NAMESPACE = "mixserve"
+_signal = None  # the DrainSignal actor of this command (kept: its handle must outlive start())
+
+
+def _drain_signal_class():
+    import asyncio
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class DrainSignal:
+        """Set once by the command at SIGTERM/SIGINT. Every engine replica waits on it from its
+        start and then drains itself (refuses new requests, gives running ones the grace period,
+        ends the rest with a last chunk): Ray Serve's own stop waits for requests to end, without a
+        bound of its own, before it runs the replica's destructor, so the grace must begin here."""
+
+        def __init__(self):
+            self._set = asyncio.Event()
+
+        async def wait(self) -> None:
+            await self._set.wait()
+
+        async def set(self) -> None:
+            self._set.set()
+
+    return DrainSignal
+
+
+def build_app(engine_args, server_cfg, opts: ReplicaOptions, drain_signal: str | None = None):
+    """The Ray Serve application: Ingress(EngineReplica x N). drain_signal: the name of the
+    DrainSignal actor (namespace DRAIN_NAMESPACE) the replicas wait on; None: they drain only
+    when Ray Serve stops them. Raises ValueError for bad options."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -117,11 +149,12 @@ def build_app(engine_args, server_cfg, opts: ReplicaOptions):
     )
     settings = IngressSettings(model=engine_args.model, block_size=engine_args.block_size,
                                route_blocks=opts.route_blocks, max_body_bytes=server_cfg.max_body_bytes,
-                               retries=opts.retries, per_key_salt=server_cfg.prefix_cache_salt == "per-key")
+                               retries=opts.retries, per_key_salt=server_cfg.prefix_cache_salt == "per-key",
+                               api_keys=server_cfg.keys())
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000, graceful_shutdown_timeout_s=opts.grace_s + 30,
                                graceful_shutdown_wait_loop_s=0.5, logging_config=logs)
-    return ingress.bind(replica.bind(engine_args, server_cfg, threads, opts.grace_s), settings)
+    return ingress.bind(replica.bind(engine_args, server_cfg, threads, opts.grace_s, drain_signal), settings)
 
 
 def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1", port: int = 8000,
@@ -135,9 +168,13 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
     except ImportError as e:
         raise SystemExit(f"serve --replicas needs Ray Serve ({e}): pip install -e '.[ray]'") from None
 
+    global _signal
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    app = build_app(engine_args, server_cfg, opts)
+    name = f"drain-{uuid.uuid4().hex[:12]}"
+    app = build_app(engine_args, server_cfg, opts, drain_signal=name)
     local = ray_address is None
+    if not local:
+        _check_reachable(ray_address)
     if local:
         need = opts.cpus * max(opts.num_replicas, opts.max_replicas or 0)
         # "local": a new instance even when `ray start` left one running here (or RAY_ADDRESS
@@ -146,19 +183,39 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
                  configure_logging=True, logging_level=logging.WARNING)
     else:
         ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    _signal = _drain_signal_class().options(name=name, namespace=DRAIN_NAMESPACE).remote()
     serve.start(http_options={"host": host, "port": port},
                 logging_config={"enable_access_log": opts.access_log, "log_level": "WARNING"})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     return local
 
 
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse an address nothing answers at within timeout_s (ray.init would retry for minutes).
+    "auto" and addresses without a port are left to Ray. Raises RuntimeError."""
+    if address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RuntimeError(f"ray_address: nothing answers at {address} ({e}); start the cluster first "
+                           "(ray start --head) or check the address") from None
+
+
 def stop(local: bool) -> None:
-    """Delete the application (replicas drain: see ReplicaOptions.grace_s), then shut Serve and
-    the local Ray instance down, or only disconnect from a cluster we joined."""
+    """Tell the replicas to drain (see DrainSignal), delete the application (Ray Serve waits for
+    their requests to end), then shut Serve and the local Ray instance down, or only disconnect
+    from a cluster we joined."""
     import ray
     from ray import serve
 
     try:
+        if _signal is not None:
+            ray.get(_signal.set.remote(), timeout=30)
         serve.delete(APP_NAME)
         if local:
             serve.shutdown()
@@ -172,6 +229,10 @@ def run(engine_args, server_cfg, opts: ReplicaOptions, host: str, port: int, ray
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     local = start(engine_args, server_cfg, opts, host, port, ray_address)
+    # ray.init put its own SIGTERM handler in (kill every Ray process, exit 1; its C++ one then
+    # aborts): ours again, so a SIGTERM drains
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
     print(f"mixserve: {opts.num_replicas} replica(s) of {engine_args.model} behind http://{host}:{port} "
           f"(routing {opts.routing})", flush=True)
     try:

@@ -38,7 +38,9 @@ class IngressSettings:
     """model: the model spec (its tokenizer computes route keys). block_size: the engines' KV
     block size (tokens). route_blocks: full blocks hashed into a route key. max_body_bytes: as
     ServerConfig. retries: extra tries for a request whose replica died before answering.
-    per_key_salt: the engines salt prefix blocks per API key, so the key is part of the route key."""
+    per_key_salt: the engines salt prefix blocks per API key, so the key is part of the route key.
+    api_keys: ServerConfig.keys() (None: no key needed): a request too large to read is refused
+    for its missing key first, as the single server does."""
 
     model: str
     block_size: int = 16
@@ -46,6 +48,7 @@ class IngressSettings:
     max_body_bytes: int = 8 << 20
     retries: int = 2
     per_key_salt: bool = False
+    api_keys: dict[str, str] | None = None
 
 
 def _replica_errors() -> tuple:
@@ -166,7 +169,7 @@ class Ingress:
     async def __call__(self, request):
         from starlette.responses import JSONResponse, Response, StreamingResponse
 
-        from mixserve.server.protocol import APIError
+        from mixserve.server.protocol import APIError, check_api_key
 
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
@@ -176,6 +179,10 @@ class Ingress:
         try:
             body = await self._read_body(request)
         except APIError as e:
+            try:  # as the single server: a request without a valid key is told that first
+                check_api_key(self.settings.api_keys, request.headers.get("authorization", ""))
+            except APIError as auth:
+                e = auth
             return JSONResponse(e.body(), status_code=e.status)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
         key = None
@@ -240,7 +247,7 @@ class Ingress:
                 gen.cancel()
                 raise
             hdrs = dict(hdr_list)
-            if not probe:
+            if not probe and path in _GENERATE:  # generation requests only: /health would swell no_prefix
                 self.routed.labels(hdrs.get(REPLICA_HEADER, "?"), hdrs.get(REASON_HEADER) or "?").inc()
             return status, hdrs, first, more, gen
         self.failed.inc()

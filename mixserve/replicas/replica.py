@@ -26,10 +26,12 @@ class EngineReplica:
 
     engine_args: EngineArgs for this replica's engine. server_cfg: server.api.ServerConfig.
     threads: torch intra-op threads (the replica's CPU share). grace_s: seconds running requests
-    get at shutdown before they are ended (as `serve --shutdown-grace`).
+    get at shutdown before they are ended (as `serve --shutdown-grace`). drain_signal: the name of
+    the command's DrainSignal actor (replicas/app.py): when it is set the replica drains.
     """
 
-    async def __init__(self, engine_args, server_cfg, threads: int | None = None, grace_s: float = 5.0):
+    async def __init__(self, engine_args, server_cfg, threads: int | None = None, grace_s: float = 5.0,
+                       drain_signal: str | None = None):
         import torch
         from ray import serve
 
@@ -49,6 +51,21 @@ class EngineReplica:
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self._closed = False
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_signal(drain_signal)) \
+            if drain_signal else None
+
+    async def _drain_on_signal(self, name: str) -> None:
+        import ray
+
+        from mixserve.replicas.app import DRAIN_NAMESPACE
+
+        try:
+            await ray.get_actor(name, namespace=DRAIN_NAMESPACE).wait.remote()
+        except Exception as e:  # noqa: BLE001 -- the command is gone: Ray's own stop follows
+            log.info("replica %s: no drain signal (%s)", self.name, type(e).__name__)
+            return
+        log.info("replica %s: draining (grace %.1f s)", self.name, self.grace_s)
+        await self.app.state.drain(self.grace_s)
 
     async def handle_http(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                           body: bytes, route_keys: list[int] | None = None, routed: str = ""):
@@ -134,5 +151,7 @@ class EngineReplica:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self._drain_task is not None and not self._drain_task.done():
+            self._drain_task.cancel()
         await self.app.state.drain(self.grace_s)
         await self._lifespan.__aexit__(None, None, None)

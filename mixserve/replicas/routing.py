@@ -7,12 +7,12 @@ Prefix affinity is rendezvous (highest-random-weight) hashing of a route key ove
 names: every router process maps a key to the same replica without sharing state, and when a
 replica leaves or joins only the keys it owned move (Thaler & Ravishankar, "Using name-based
 mappings to increase hit rates", IEEE/ACM ToN 1998). The route keys are chain hashes of the
-prompt's first full KV blocks after the chat template (key i covers blocks 0..i, as the engine's
-prefix cache hashes them), so requests that can share cached blocks meet on one replica.
+prompt's first KV blocks after the chat template, one per STEP tokens, so requests that can
+share cached blocks meet on one replica.
 
 A router also remembers where it sent each key (PrefixTable, an LRU map): a request whose keys
-run through the end of an earlier request's keys (a conversation's next turn, whose first turn
-had fewer full blocks than the route key takes) goes where that one went, a longest-prefix match
+run through the end of an earlier request's keys (a conversation's next turn carries its first
+turn's whole prompt) goes where that one went, a longest-prefix match
 as SGLang's router and vLLM's prefix-aware router make with a prefix tree. A match that ends at
 a block other requests already continued differently from (a shared system prompt) steers
 nothing: every replica soon caches such a prefix, so those requests spread by rendezvous on
@@ -32,20 +32,27 @@ from typing import Sequence
 POLICIES = ("prefix", "pow2", "round-robin")
 
 
+STEP = 4  # tokens per route key: finer than a block, so a next turn matches its short first turn
+
+
 def route_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
-               salt: str | None = None) -> list[int]:
-    """The route keys of a prompt: one 64-bit chain hash per full block of `block_size` token ids,
-    for its first min(max_blocks, full blocks) blocks; key i hashes key i-1 and block i (and the
-    salt, since salted blocks are shared only within one salt). Empty when the prompt has no full
-    block: nothing cacheable to steer by. Raises ValueError for block_size or max_blocks < 1."""
-    if block_size < 1 or max_blocks < 1:
-        raise ValueError(f"block_size and max_blocks must be >= 1 (got {block_size}, {max_blocks})")
-    n = min(len(token_ids) // block_size, max_blocks)
+               salt: str | None = None, step: int = STEP) -> list[int]:
+    """The route keys of a prompt: 64-bit chain hashes of its leading token ids, one per `step`
+    tokens, over its first min(max_blocks * block_size, len) tokens; key i hashes key i-1 and the
+    i-th `step` tokens (and the salt, since salted blocks are shared only within one salt). Keys
+    are finer than a KV block because a conversation's next turn carries the whole previous prompt,
+    its partial last block included, and the replica that answered it holds the blocks that filled
+    it. Empty when the prompt has no full block: nothing cached to steer by.
+    Raises ValueError for block_size, max_blocks or step < 1."""
+    if block_size < 1 or max_blocks < 1 or step < 1:
+        raise ValueError(f"block_size, max_blocks and step must be >= 1 (got {block_size}, {max_blocks}, {step})")
+    if len(token_ids) < block_size:
+        return []
+    n = min(len(token_ids), max_blocks * block_size) // step
     keys: list[int] = []
     prev = hashlib.sha256((salt or "").encode() + b"\0").digest()[:8]
     for b in range(n):
-        block = token_ids[b * block_size:(b + 1) * block_size]
-        prev = hashlib.sha256(prev + struct.pack(f"<{block_size}q", *block)).digest()[:8]
+        prev = hashlib.sha256(prev + struct.pack(f"<{step}q", *token_ids[b * step:(b + 1) * step])).digest()[:8]
         keys.append(int.from_bytes(prev, "little"))
     return keys
 
@@ -89,15 +96,18 @@ class PrefixTable:
             return entry[0], d
         return None, 0
 
-    def record(self, keys: Sequence[int], name: str) -> None:
-        """Remember that a request with these route keys went to replica `name`."""
+    def record(self, keys: Sequence[int], name: str, move: bool = True) -> None:
+        """Remember that a request with these route keys went to replica `name`. move=False (a
+        request sent away for load) keeps the replica of the keys already known: one overflow
+        does not move a hot prefix's home, only its new keys start where it went."""
         for i, k in enumerate(keys):
             entry = self._map.get(k)
             nxt = keys[i + 1] if i + 1 < len(keys) else None
             if entry is None:
                 self._map[k] = [name, nxt]
             else:
-                entry[0] = name
+                if move:
+                    entry[0] = name
                 if nxt is not None and entry[1] != nxt:
                     entry[1] = nxt if entry[1] is None else _FORK
                 self._map.move_to_end(k)
@@ -167,5 +177,5 @@ def choose(policy: str, names: Sequence[str], queue_len: dict[str, int],
         ranked = by_load(two)
         c = Choice(ranked + by_load([n for n in order if n not in ranked]), reason)
     if table is not None and keys:
-        table.record(keys, c.ranked[0])
+        table.record(keys, c.ranked[0], move=c.reason == "affinity")
     return c

@@ -17,7 +17,6 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloa
 from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs,
                                       empty_completion_logprobs, join_logprobs, prompt_logprobs)
 from mixserve.server.metrics import ServerMetrics
-from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, field_error,
-                                      parse_request, sampling_params)
+from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_api_key,
+                                      field_error, parse_request, sampling_params)
 
 log = logging.getLogger("mixserve.server")
 
@@ -253,19 +252,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
 
     def authorize(request: Request) -> str | None:
         """The name of the request's key (None when no key is needed); HTTP 401 without a valid one."""
-        if keys is None:
-            return None
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        given = token.strip().encode()
-        name = None
-        for key, n in keys.items():  # every key compared, in constant time each
-            if secrets.compare_digest(given, key.encode()) and scheme.lower() == "bearer":
-                name = n
-        if name is None:
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
-                           code="invalid_api_key")
-        return name
+        return check_api_key(keys, request.headers.get("authorization", ""))
 
     # -- plain endpoints -------------------------------------------------------------------------
     if not docs_open:

@@ -6,6 +6,7 @@ client never gets an answer computed without what it asked for.
 """
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -187,3 +188,21 @@ def field_error(req, err: ValueError) -> tuple[str | None, str]:
         field = "messages"
         msg = "messages: " + msg
     return field, msg
+
+
+def check_api_key(keys: dict[str, str] | None, authorization: str) -> str | None:
+    """The name of the key in an Authorization header ("Bearer <key>"), None when `keys` is None
+    (no key needed). Raises APIError 401 without a valid one. Every key is compared, each in
+    constant time, so the time taken does not tell how much of a guess was right."""
+    if keys is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode()
+    name = None
+    for key, n in keys.items():
+        if secrets.compare_digest(given, key.encode()) and scheme.lower() == "bearer":
+            name = n
+    if name is None:
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", type="authentication_error",
+                       code="invalid_api_key")
+    return name

@@ -101,7 +101,7 @@ def test_a_conversation_stays_put_though_its_first_turn_is_shorter_than_the_rout
     system = [900, 901]
     reqs: list[SimRequest] = []
     for c in range(3):
-        prev, ids = None, system + [5000 + 10 * c + j for j in range(4)]
+        prev, ids = None, system + [6000 + 10 * c + j for j in range(4)]
         for turn in range(3):
             r = SimRequest(len(ids), 2, 0.0, token_ids=ids, after=prev)
             reqs.append(r)

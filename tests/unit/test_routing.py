@@ -13,8 +13,8 @@ def test_route_key_hashes_whole_blocks_only():
     k = route_key(ids, 16, 4)
     assert k == route_key(ids[:64] + [7, 7, 7], 16, 4)  # only the first 4 blocks count
     assert k != route_key([1] + ids[1:], 16, 4)
-    assert route_key(ids[:40], 16, 4) == route_key(ids[:47], 16, 4)  # 2 full blocks either way
-    assert route_key(ids[:40], 16, 4) != route_key(ids[:48], 16, 4)
+    assert route_key(ids[:40], 16, 4) == route_key(ids[:43], 16, 4)  # keys step by 4 tokens
+    assert route_key(ids[:40], 16, 4) != route_key(ids[:44], 16, 4)
     assert route_key(ids, 16, 4, salt="a") != route_key(ids, 16, 4, salt="b") != k
     with pytest.raises(ValueError):
         route_key(ids, 0, 4)
@@ -69,7 +69,8 @@ def test_replica_only_flags_without_replicas_are_refused(capsys):
     from mixserve.cli import main
 
     # refused before any model is loaded: the model path need not exist
-    for flags in (["--max-replicas", "3"], ["--ray-address", "auto"], ["--replica-cpus", "1"]):
+    for flags in (["--max-replicas", "3"], ["--ray-address", "auto"], ["--replica-cpus", "1"], ["--replica-gpus", "1"],
+                  ["--routing", "pow2"], ["--route-margin", "2"], ["--replica-retries", "5"]):
         assert main(["serve", "--model", "/nonexistent.gguf", *flags]) == 2
         assert f"{flags[0]}: only with --replicas N" in capsys.readouterr().err
 
@@ -92,7 +93,7 @@ def test_plan_replica_flags_are_checked_before_the_trace_loads(capsys):
 def test_chain_keys_are_prefixes_of_each_other():
     ids = list(range(200))
     keys = route_keys(ids, 16, 4)
-    assert len(keys) == 4 and route_keys(ids[:40], 16, 4) == keys[:2]  # a short turn's keys lead the long one's
+    assert len(keys) == 16 and route_keys(ids[:40], 16, 4) == keys[:10]  # a short turn's keys lead the long one's
     assert route_keys(ids[:15], 16, 4) == [] and route_key(ids, 16, 4) == keys[-1]
     assert route_keys([9] + ids[1:], 16, 4)[0] != keys[0]
 
@@ -103,7 +104,7 @@ def test_next_turn_follows_a_short_first_turn_and_shared_prefixes_spread():
     table = PrefixTable()
     homes = {}
     for conv in range(40):
-        turn1 = system + [conv] * 20  # two full blocks: fewer than the route key's four
+        turn1 = system + [conv] * 20  # two full blocks, and part of a third: less than the route key's four
         c1 = choose("prefix", names, {}, key=route_keys(turn1, 16, 4), table=table)
         turn2 = turn1 + [7] * 60  # the next turn: the whole first turn plus more
         c2 = choose("prefix", names, {}, key=route_keys(turn2, 16, 4), table=table)
