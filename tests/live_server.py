@@ -58,3 +58,31 @@ def gap_logits(logprobs) -> list[torch.Tensor]:
     """Per generated token, a 2-vector of the raw distribution's top-2 log-probabilities: their
     difference is the top-2 logit gap that tests.reference.compare_greedy's tie rule reads."""
     return [torch.tensor([lp.top[0][1], lp.top[1][1]]) for lp in logprobs]
+
+
+def start_drain_streams(client, model: str, wait_s: float = 60.0) -> tuple[dict, dict, list[threading.Thread]]:
+    """For shutdown tests: a long (2000 tokens) and a short (12 tokens) greedy completion stream
+    through the `openai` client, both under way on return. Returns (short, long, threads); each
+    sink holds "ids" (token ids so far), "finish" (the last finish_reason) and "error" (if the
+    stream broke instead of ending). The long one needs ~10x any grace period a test uses
+    (SmolLM2 ran 230 tokens in 5 s on a CI machine). Raises AssertionError if one never starts."""
+    def stream(max_tokens, sink, started):
+        try:
+            for c in client.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True}):
+                sink["ids"] += c.choices[0].token_ids
+                sink["finish"] = c.choices[0].finish_reason
+                started.set()
+        except Exception as e:  # noqa: BLE001 -- the test asserts there is none
+            sink["error"] = e
+
+    short, long = {"ids": []}, {"ids": []}
+    s_started, l_started = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=stream, args=(2000, long, l_started)),
+               threading.Thread(target=stream, args=(12, short, s_started))]
+    threads[0].start()
+    assert l_started.wait(wait_s), "the long stream never started"
+    threads[1].start()
+    assert s_started.wait(wait_s), "the short stream never started"
+    return short, long, threads

@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -14,6 +13,8 @@ import openai
 import pytest
 
 pytest.importorskip("ray.serve")
+
+from tests.live_server import start_drain_streams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
@@ -72,25 +73,7 @@ def test_sigterm_drains_the_replicas_and_exits_clean(smollm2_path, tmp_path):
             time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
-        def stream(max_tokens, sink, started):
-            try:
-                for c in client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=max_tokens,
-                                                   temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
-                    sink["ids"] += c.choices[0].token_ids
-                    sink["finish"] = c.choices[0].finish_reason
-                    started.set()
-            except Exception as e:  # must not happen: the long stream is ended, not cut
-                sink["error"] = e
-
-        short, long = {"ids": []}, {"ids": []}
-        s_started, l_started = threading.Event(), threading.Event()
-        threads = [threading.Thread(target=stream, args=(2000, long, l_started)),
-                   threading.Thread(target=stream, args=(12, short, s_started))]
-        threads[0].start()
-        assert l_started.wait(120), log()
-        threads[1].start()
-        assert s_started.wait(120), log()
+        short, long, threads = start_drain_streams(client, NAME, wait_s=120)
         before = _descendants(proc.pid)
         assert before  # the local Ray instance runs under the command
         proc.send_signal(signal.SIGTERM)

@@ -23,7 +23,7 @@ from mixserve.engine.args import EngineArgs
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.llm import LLM
 from mixserve.server.api import ServerConfig
-from tests.live_server import LiveServer, gap_logits
+from tests.live_server import LiveServer, gap_logits, start_drain_streams
 from tests.reference import compare_greedy
 
 pytestmark = pytest.mark.integration
@@ -494,26 +494,7 @@ def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path, t
             time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
-        def stream(max_tokens, sink, started):
-            try:
-                for c in client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=max_tokens,
-                                                   temperature=0, stream=True,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True}):
-                    sink["ids"] += c.choices[0].token_ids
-                    sink["finish"] = c.choices[0].finish_reason
-                    started.set()
-            except Exception as e:  # must not happen: the long stream is ended, not cut
-                sink["error"] = e
-
-        short, long = {"ids": []}, {"ids": []}
-        s_started, l_started = threading.Event(), threading.Event()
-        # the long stream needs ~10x the grace period even on a fast CPU (SmolLM2 ran 230 tokens in 5 s on CI)
-        threads = [threading.Thread(target=stream, args=(2000, long, l_started)),
-                   threading.Thread(target=stream, args=(12, short, s_started))]
-        threads[0].start()
-        assert l_started.wait(60)
-        threads[1].start()
-        assert s_started.wait(60)
+        short, long, threads = start_drain_streams(client, NAME)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)
