@@ -129,3 +129,21 @@ def test_prefix_table_forgets_the_oldest_and_skips_dead_replicas():
     assert t.match([4, 7], ["a", "b"]) == (None, 0) and t.match([4, 6, 8], ["a", "b"]) == ("a", 2)
     with pytest.raises(ValueError):
         PrefixTable(0)
+
+
+def test_an_unreachable_ray_address_is_refused_at_once():
+    import socket
+
+    from mixserve.replicas.app import _check_reachable
+
+    with socket.socket() as s:  # a port nothing listens on (bound, then closed)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for addr in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(RuntimeError, match="nothing answers"):
+            _check_reachable(addr, timeout_s=2)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        _check_reachable(f"127.0.0.1:{srv.getsockname()[1]}", timeout_s=2)  # something answers: left to Ray
+    _check_reachable("auto")  # Ray finds it
