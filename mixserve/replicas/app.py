@@ -89,6 +89,7 @@ class ReplicaOptions:
 
 DRAIN_NAMESPACE = "mixserve"
 _signal = None  # the DrainSignal actor of this command (kept: its handle must outlive start())
+_grace_s = 30.0
 
 
 def _drain_signal_class():
@@ -105,12 +106,35 @@ def _drain_signal_class():
 
         def __init__(self):
             self._set = asyncio.Event()
+            self._waiting = 0  # replicas that waited on it (a dead one stays counted: stop's timeout bounds it)
+            self._drained = 0
+            self._changed = asyncio.Event()
 
         async def wait(self) -> None:
+            self._waiting += 1
             await self._set.wait()
 
         async def set(self) -> None:
             self._set.set()
+
+        async def done(self) -> None:
+            """A replica has drained: its last answers have gone out."""
+            self._drained += 1
+            self._changed.set()
+
+        async def wait_drained(self, timeout_s: float) -> bool:
+            """Until every replica that waited has drained (True) or timeout_s (False)."""
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while self._drained < self._waiting:
+                self._changed.clear()
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return False
+            return True
 
     return DrainSignal
 
@@ -168,7 +192,8 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
     except ImportError as e:
         raise SystemExit(f"serve --replicas needs Ray Serve ({e}): pip install -e '.[ray]'") from None
 
-    global _signal
+    global _signal, _grace_s
+    _grace_s = opts.grace_s
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     name = f"drain-{uuid.uuid4().hex[:12]}"
     app = build_app(engine_args, server_cfg, opts, drain_signal=name)
@@ -215,7 +240,13 @@ def stop(local: bool) -> None:
 
     try:
         if _signal is not None:
+            # the replicas end their requests first, while the ingress and proxy still relay them;
+            # deleting the application then has nothing left in flight to cut
             ray.get(_signal.set.remote(), timeout=30)
+            bound = _grace_s + 15
+            if not ray.get(_signal.wait_drained.remote(bound), timeout=bound + 30):
+                log.warning("replicas did not all report drained within %.0f s", bound)
+            time.sleep(0.5)  # the last chunks' way out through the ingress
         serve.delete(APP_NAME)
         if local:
             serve.shutdown()

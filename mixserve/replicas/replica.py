@@ -11,6 +11,7 @@ engine's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -60,12 +61,17 @@ class EngineReplica:
         from mixserve.replicas.app import DRAIN_NAMESPACE
 
         try:
-            await ray.get_actor(name, namespace=DRAIN_NAMESPACE).wait.remote()
+            sig = ray.get_actor(name, namespace=DRAIN_NAMESPACE)
+            await sig.wait.remote()
         except Exception as e:  # noqa: BLE001 -- the command is gone: Ray's own stop follows
             log.info("replica %s: no drain signal (%s)", self.name, type(e).__name__)
             return
         log.info("replica %s: draining (grace %.1f s)", self.name, self.grace_s)
-        await self.app.state.drain(self.grace_s)
+        try:
+            await self.app.state.drain(self.grace_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sig.done.remote()
 
     async def handle_http(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                           body: bytes, route_keys: list[int] | None = None, routed: str = ""):
