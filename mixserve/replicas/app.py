@@ -87,7 +87,6 @@ class ReplicaOptions:
         return cfg
 
 
-DRAIN_NAMESPACE = "mixserve"
 _signal = None  # the DrainSignal actor of this command (kept: its handle must outlive start())
 _grace_s = 30.0
 
@@ -141,7 +140,7 @@ def _drain_signal_class():
 
 def build_app(engine_args, server_cfg, opts: ReplicaOptions, drain_signal: str | None = None):
     """The Ray Serve application: Ingress(EngineReplica x N). drain_signal: the name of the
-    DrainSignal actor (namespace DRAIN_NAMESPACE) the replicas wait on; None: they drain only
+    DrainSignal actor (namespace replica.DRAIN_NAMESPACE) the replicas wait on; None: they drain only
     when Ray Serve stops them. Raises ValueError for bad options."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -208,6 +207,8 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
                  configure_logging=True, logging_level=logging.WARNING)
     else:
         ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    from mixserve.replicas.replica import DRAIN_NAMESPACE
+
     _signal = _drain_signal_class().options(name=name, namespace=DRAIN_NAMESPACE).remote()
     serve.start(http_options={"host": host, "port": port},
                 logging_config={"enable_access_log": opts.access_log, "log_level": "WARNING"})

@@ -20,6 +20,7 @@ log = logging.getLogger("mixserve.replicas")
 REPLICA_HEADER = "x-mixserve-replica"
 PID_HEADER = "x-mixserve-replica-pid"
 REASON_HEADER = "x-mixserve-route"
+DRAIN_NAMESPACE = "mixserve"  # the Ray namespace of the command's DrainSignal actor (replicas/app.py)
 
 
 class EngineReplica:
@@ -57,8 +58,6 @@ class EngineReplica:
 
     async def _drain_on_signal(self, name: str) -> None:
         import ray
-
-        from mixserve.replicas.app import DRAIN_NAMESPACE
 
         try:
             sig = ray.get_actor(name, namespace=DRAIN_NAMESPACE)
