@@ -771,7 +771,7 @@ def main(argv=None) -> int:
                    help="with --replicas: the router's policy, as serve --replicas")
     p.add_argument("--route-margin", type=int, default=4,
                    help="with --replicas: queued requests the prefix-preferred replica may hold over the least loaded")
-    p.add_argument("--route-blocks", type=int, default=4, help="with --replicas: full KV blocks in a route key")
+    p.add_argument("--route-blocks", type=int, default=4, help="with --replicas: KV blocks of the prompt its route keys cover")
     p.add_argument("--target-rate", type=float, default=None,
                    help="with --replicas: requests/s to serve; the plan names the fewest replicas meeting the SLO")
     p.set_defaults(fn=cmd_plan)

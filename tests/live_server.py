@@ -86,3 +86,20 @@ def start_drain_streams(client, model: str, wait_s: float = 60.0) -> tuple[dict,
     threads[1].start()
     assert s_started.wait(wait_s), "the short stream never started"
     return short, long, threads
+
+
+def wait_healthy(url: str, proc, log, timeout_s: float = 600.0) -> None:
+    """Poll url + /health until it answers 200. Raises AssertionError (with `log()`, a callable
+    giving the server's output) when the process `proc` exits first or timeout_s passes; start-up
+    includes torch.compile and, with replicas, Ray: minutes with a cold cache on 2 cores."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() - t0 < timeout_s, log()
+        time.sleep(0.3)

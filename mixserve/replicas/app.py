@@ -30,7 +30,7 @@ class ReplicaOptions:
     num_replicas: engine replicas (fixed; see min/max for autoscaling). cpus, gpus: Ray resources
     each replica asks for. threads: torch threads per replica (default: cpus). routing: a
     routing.POLICIES name. margin: queued requests the prefix-preferred replica may hold beyond
-    the least-loaded one. route_blocks: full KV blocks in a route key. retries: tries after the
+    the least-loaded one. route_blocks: KV blocks' worth of tokens the route keys cover. retries: tries after the
     first for a request whose replica died before answering. min_replicas, max_replicas,
     target_ongoing_requests: Ray Serve autoscaling (all three None: fixed num_replicas).
     max_ongoing_requests: Ray Serve's cap of requests in flight per replica (beyond it the router

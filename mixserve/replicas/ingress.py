@@ -36,7 +36,7 @@ _GENERATE = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 @dataclass
 class IngressSettings:
     """model: the model spec (its tokenizer computes route keys). block_size: the engines' KV
-    block size (tokens). route_blocks: full blocks hashed into a route key. max_body_bytes: as
+    block size (tokens). route_blocks: KV blocks' worth of tokens the route keys cover. max_body_bytes: as
     ServerConfig. retries: extra tries for a request whose replica died before answering.
     per_key_salt: the engines salt prefix blocks per API key, so the key is part of the route key.
     api_keys: ServerConfig.keys() (None: no key needed): a request too large to read is refused

@@ -58,7 +58,7 @@ class MixserveRouter(RequestRouter):
         queue = {n: cache.get(r.replica_id) or 0 for n, r in by_name.items()}
         keys = pending_request.kwargs.get("route_keys") if pending_request is not None else None
         turn = next(self._turns) if self.policy == "round-robin" else 0
-        c = choose(self.policy, list(by_name), queue, key=keys, margin=self.margin, turn=turn, table=self.table)
+        c = choose(self.policy, list(by_name), queue, keys=keys, margin=self.margin, turn=turn, table=self.table)
         if pending_request is not None:  # the replica echoes it in a header (routing counter)
             pending_request.kwargs["routed"] = c.reason
         # only the first as its own rank: Ray takes the first rank with room, so the others are

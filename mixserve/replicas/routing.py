@@ -12,12 +12,11 @@ share cached blocks meet on one replica.
 
 A router also remembers where it sent each key (PrefixTable, an LRU map): a request whose keys
 run through the end of an earlier request's keys (a conversation's next turn carries its first
-turn's whole prompt) goes where that one went, a longest-prefix match
-as SGLang's router and vLLM's prefix-aware router make with a prefix tree. A match that ends at
-a block other requests already continued differently from (a shared system prompt) steers
-nothing: every replica soon caches such a prefix, so those requests spread by rendezvous on
-their own deepest key. Affinity yields to load: when the preferred replica's queue is longer than the shortest by more
-than `margin` requests, the request goes by power of two choices instead (Mitzenmacher, "The
+turn's whole prompt) goes where that one went: a longest-prefix match, as SGLang's router and
+vLLM's prefix-aware router make with a prefix tree. A match that ends where other requests already
+continued differently (a shared system prompt) steers nothing: every replica soon caches such a
+prefix, so those requests spread by rendezvous on their own deepest key. Affinity yields to load:
+when the preferred replica's queue is longer than the shortest by more than `margin` requests, the request goes by power of two choices instead (Mitzenmacher, "The
 power of two choices in randomized load balancing", IEEE TPDS 2001).
 """
 from __future__ import annotations
@@ -57,12 +56,6 @@ def route_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
     return keys
 
 
-def route_key(token_ids: Sequence[int], block_size: int, max_blocks: int, salt: str | None = None) -> int | None:
-    """The deepest of route_keys (the whole route prefix in one key), or None without a full block."""
-    keys = route_keys(token_ids, block_size, max_blocks, salt)
-    return keys[-1] if keys else None
-
-
 _FORK = -1  # successor of a key that requests continued in more than one way
 
 
@@ -83,7 +76,7 @@ class PrefixTable:
         return len(self._map)
 
     def match(self, keys: Sequence[int], names: Sequence[str]) -> tuple[str | None, int]:
-        """(replica, matched blocks) of the longest prefix of `keys` sent to a live replica (one
+        """(replica, matched keys) of the longest prefix of `keys` sent to a live replica (one
         of `names`) that no other request continued differently from; (None, 0) when none."""
         live = set(names)
         for d in range(len(keys), 0, -1):
@@ -133,13 +126,12 @@ class Choice:
 
 
 def choose(policy: str, names: Sequence[str], queue_len: dict[str, int],
-           key: int | Sequence[int] | None = None, margin: int = 4, turn: int = 0,
+           keys: Sequence[int] | None = None, margin: int = 4, turn: int = 0,
            rng: random.Random | None = None, table: PrefixTable | None = None) -> Choice:
     """Rank replicas for one request.
 
     policy: one of POLICIES. names: the live replicas. queue_len: requests each one holds
-    (running + waiting; missing counts as 0). key: the request's route_keys (or one route_key;
-    prefix policy). table: the router's PrefixTable: its longest match is preferred to the
+    (running + waiting; missing counts as 0). keys: the request's route_keys (prefix policy). table: the router's PrefixTable: its longest match is preferred to the
     rendezvous of the deepest key, and the chosen replica is recorded in it.
     margin: how many more queued requests than the least-loaded replica the preferred one may
     hold and keep the request. turn: the round-robin counter (the caller increments it).
@@ -161,17 +153,15 @@ def choose(policy: str, names: Sequence[str], queue_len: dict[str, int],
     if policy == "round-robin":
         first = order[turn % len(order)]
         return Choice([first] + by_load([n for n in order if n != first]), "round_robin")
-    keys = [key] if isinstance(key, int) else list(key or ())
+    keys = list(keys or ())
+    c = None
     if policy == "prefix" and keys:
-        pref = table.match(keys, order)[0] if table is not None else None
-        pref = pref or rendezvous(keys[-1], order)
+        pref = (table.match(keys, order)[0] if table is not None else None) or rendezvous(keys[-1], order)
         if q[pref] <= min(q.values()) + margin:
             c = Choice([pref] + by_load([n for n in order if n != pref]), "affinity")
-        else:
-            c = None
         reason = "load"
     else:
-        c, reason = None, ("no_prefix" if policy == "prefix" else "pow2")
+        reason = "no_prefix" if policy == "prefix" else "pow2"
     if c is None:
         two = rng.sample(order, min(2, len(order)))
         ranked = by_load(two)

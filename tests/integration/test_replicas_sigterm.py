@@ -8,13 +8,12 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 pytest.importorskip("ray.serve")
 
-from tests.live_server import start_drain_streams  # noqa: E402
+from tests.live_server import start_drain_streams, wait_healthy  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
@@ -64,15 +63,7 @@ def test_sigterm_drains_the_replicas_and_exits_clean(smollm2_path, tmp_path):
     log = lambda: "\n".join(ln for ln in log_file.read_text(errors="replace").splitlines()  # noqa: E731
                              if "mixserve" in ln or "Error" in ln)[-3000:]
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() - t0 < 600, log()
-            time.sleep(0.5)
+        wait_healthy(url, proc, log)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
         short, long, threads = start_drain_streams(client, NAME, wait_s=120)

@@ -23,7 +23,7 @@ from mixserve.engine.args import EngineArgs
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.llm import LLM
 from mixserve.server.api import ServerConfig
-from tests.live_server import LiveServer, gap_logits, start_drain_streams
+from tests.live_server import LiveServer, gap_logits, start_drain_streams, wait_healthy
 from tests.reference import compare_greedy
 
 pytestmark = pytest.mark.integration
@@ -482,16 +482,7 @@ def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path, t
     url = f"http://127.0.0.1:{port}"
     log = lambda: log_file.read_text(errors="replace")[-2000:]  # noqa: E731  (a file: a pipe could fill and block the server)
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            # start-up includes torch.compile, minutes with a cold cache on a 2-core machine
-            assert proc.poll() is None and time.monotonic() - t0 < 600, log()
-            time.sleep(0.2)
+        wait_healthy(url, proc, log)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
         short, long, threads = start_drain_streams(client, NAME)

@@ -4,20 +4,20 @@ from collections import Counter
 
 import pytest
 
-from mixserve.replicas.routing import PrefixTable, choose, rendezvous, route_key, route_keys
+from mixserve.replicas.routing import PrefixTable, choose, rendezvous, route_keys
 
 
 def test_route_key_hashes_whole_blocks_only():
     ids = list(range(100))
-    assert route_key(ids[:15], 16, 4) is None  # no full block: nothing to steer by
-    k = route_key(ids, 16, 4)
-    assert k == route_key(ids[:64] + [7, 7, 7], 16, 4)  # only the first 4 blocks count
-    assert k != route_key([1] + ids[1:], 16, 4)
-    assert route_key(ids[:40], 16, 4) == route_key(ids[:43], 16, 4)  # keys step by 4 tokens
-    assert route_key(ids[:40], 16, 4) != route_key(ids[:44], 16, 4)
-    assert route_key(ids, 16, 4, salt="a") != route_key(ids, 16, 4, salt="b") != k
+    assert route_keys(ids[:15], 16, 4) == []  # no full block: nothing to steer by
+    k = route_keys(ids, 16, 4)
+    assert k == route_keys(ids[:64] + [7, 7, 7], 16, 4)  # only the first 4 blocks count
+    assert k[0] != route_keys([1] + ids[1:], 16, 4)[0]
+    assert route_keys(ids[:40], 16, 4) == route_keys(ids[:43], 16, 4)  # keys step by 4 tokens
+    assert route_keys(ids[:40], 16, 4) != route_keys(ids[:44], 16, 4)
+    assert route_keys(ids, 16, 4, salt="a")[0] != route_keys(ids, 16, 4, salt="b")[0] != k[0]
     with pytest.raises(ValueError):
-        route_key(ids, 0, 4)
+        route_keys(ids, 0, 4)
 
 
 def test_rendezvous_moves_only_the_keys_of_a_replica_that_left():
@@ -36,15 +36,15 @@ def test_prefix_affinity_yields_to_load_past_the_margin():
     names = ["a", "b", "c"]
     key = 12345
     pref = rendezvous(key, names)
-    c = choose("prefix", names, {}, key=key, margin=2)
+    c = choose("prefix", names, {}, keys=[key], margin=2)
     assert c.ranked[0] == pref and c.reason == "affinity" and sorted(c.ranked) == names
-    c = choose("prefix", names, {pref: 2}, key=key, margin=2)
+    c = choose("prefix", names, {pref: 2}, keys=[key], margin=2)
     assert c.ranked[0] == pref and c.reason == "affinity"  # 2 more than the shortest: still kept
     loaded = {pref: 3}
     for seed in range(20):
-        c = choose("prefix", names, loaded, key=key, margin=2, rng=random.Random(seed))
+        c = choose("prefix", names, loaded, keys=[key], margin=2, rng=random.Random(seed))
         assert c.reason == "load" and c.ranked[0] != pref  # any two sampled: the shorter queue wins
-    c = choose("prefix", names, {}, key=None)
+    c = choose("prefix", names, {}, keys=None)
     assert c.reason == "no_prefix"
 
 
@@ -94,7 +94,7 @@ def test_chain_keys_are_prefixes_of_each_other():
     ids = list(range(200))
     keys = route_keys(ids, 16, 4)
     assert len(keys) == 16 and route_keys(ids[:40], 16, 4) == keys[:10]  # a short turn's keys lead the long one's
-    assert route_keys(ids[:15], 16, 4) == [] and route_key(ids, 16, 4) == keys[-1]
+    assert route_keys(ids[:15], 16, 4) == []
     assert route_keys([9] + ids[1:], 16, 4)[0] != keys[0]
 
 
@@ -105,9 +105,9 @@ def test_next_turn_follows_a_short_first_turn_and_shared_prefixes_spread():
     homes = {}
     for conv in range(40):
         turn1 = system + [conv] * 20  # two full blocks, and part of a third: less than the route key's four
-        c1 = choose("prefix", names, {}, key=route_keys(turn1, 16, 4), table=table)
+        c1 = choose("prefix", names, {}, keys=route_keys(turn1, 16, 4), table=table)
         turn2 = turn1 + [7] * 60  # the next turn: the whole first turn plus more
-        c2 = choose("prefix", names, {}, key=route_keys(turn2, 16, 4), table=table)
+        c2 = choose("prefix", names, {}, keys=route_keys(turn2, 16, 4), table=table)
         assert c1.reason == c2.reason == "affinity"
         assert c2.ranked[0] == c1.ranked[0]  # the stateless key alone would move it 3 times in 4
         homes[conv] = c1.ranked[0]
