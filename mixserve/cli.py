@@ -57,6 +57,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="automatic prefix caching: full KV blocks are kept by content hash and reused by later "
                         "requests with the same prefix (default on; always off with --kv-allocator contiguous)")
+    p.add_argument("--device", default=d.device,
+                   help="auto (CUDA when PyTorch sees a GPU, else the CPU), cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="round the LM head to int4 at load in int4 models (on by default for them: the head is "
                         "a quarter of a 1.5B's int4 decode bytes otherwise); --no-quant-lm-head keeps it in the "
@@ -164,6 +166,7 @@ def cmd_bench_compare_allocators(a) -> int:
     KV budget, one process; prints a table and writes the JSON."""
     from mixserve.bench.allocators import compare_allocators, format_comparison
     from mixserve.data.datasets import load_dataset
+    from mixserve.device import resolve_device
     from mixserve.engine.args import parse_dtype
     from mixserve.models.loader import load_model
 
@@ -171,8 +174,9 @@ def cmd_bench_compare_allocators(a) -> int:
         raise ValueError("compare_allocators: runs the engine in this process, without --url or a draft model")
     args = engine_args(a)
     args.validate()
-    loaded = load_model(args.model, parse_dtype(args.dtype), args.max_model_len, args.progress, args.quantization,
-                        args.quant_group_size, args.int4_lm_head, args.gguf_weights)
+    loaded = load_model(args.model, parse_dtype(args.dtype, resolve_device(args.device)), args.max_model_len,
+                        args.progress, args.quantization, args.quant_group_size, args.int4_lm_head,
+                        args.load_gguf_weights)
     reqs = load_dataset(a.dataset, loaded[2], a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
     result = compare_allocators(args, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos, loaded=loaded)
@@ -402,7 +406,7 @@ def cmd_hw_probe(a) -> int:
     if out.is_dir() or not os.access(out.parent, os.W_OK):
         raise ValueError(f"out: cannot write {out}")
     prof = probe(a.model, _int_list(a.rows, "rows"), formats, a.repeats, a.max_context,
-                 engine_steps=not a.no_engine_steps)
+                 engine_steps=not a.no_engine_steps, device=a.device)
     _write_json(out, prof)
     return 0
 
@@ -722,6 +726,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-context", type=int, default=2048, help="longest context timed for attention (tokens)")
     p.add_argument("--no-engine-steps", action="store_true",
                    help="skip the real engine steps that measure per-step overhead (overhead then 0)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto: where the engine is measured (on a GPU "
+                   "the profile also states its ratio to that GPU's datasheet roofline)")
     p.set_defaults(fn=cmd_hw_probe)
 
     p = sub.add_parser("plan", help="simulate the engine over a trace: max rate under an SLO, what each "

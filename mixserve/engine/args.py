@@ -25,17 +25,19 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def default_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has native bf16-capable vector units (AVX-512) or on CUDA, else float32."""
-    if torch.cuda.is_available():
+def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """bfloat16 on CUDA (device None: where PyTorch sees a GPU) and where the CPU has native
+    bf16-capable vector units (AVX-512), else float32."""
+    if (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available():
         return torch.bfloat16
     cap = torch.backends.cpu.get_cpu_capability()
     return torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32
 
 
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
+    """--dtype -> torch.dtype; "auto" (None) is default_dtype(device). Raises ValueError."""
     if name is None or name == "auto":
-        return default_dtype()
+        return default_dtype(device)
     if isinstance(name, torch.dtype):
         return name
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -80,6 +82,10 @@ class EngineArgs:
     kernels: "auto" (each kernel measured once per machine and cached, layers/kernel_choice.py;
         $MIXSERVE_KERNELS overrides), "eager" (PyTorch's plain eager kernels everywhere: the
         reference) or overrides "dense_linear=plain,decode_attention=bmm,...".
+    device: "auto" (CUDA when PyTorch sees a GPU, else the CPU), "cpu" or "cuda[:N]"
+        (mixserve/device.py). On CUDA a GGUF model runs dequantized (the native kernels are CPU
+        code), dense linears run cuBLAS, int4 ones PyTorch's CUDA int4 kernel, and decode steps
+        replay CUDA graphs (engine/cuda_graph.py) unless kernels is "eager".
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -103,11 +109,22 @@ class EngineArgs:
     kernels: str = "auto"
     max_scored_prompt_tokens: int = 8192
     enable_prefix_caching: bool = True
+    device: str = "auto"
 
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is in effect (asked for, and the allocator is paged)."""
         return bool(self.enable_prefix_caching) and self.kv_allocator == "paged"
+
+    @property
+    def load_gguf_weights(self) -> str | None:
+        """gguf_weights as the loader takes it: on CUDA an unset value is "dequantize" (the native
+        kernels are CPU code)."""
+        from mixserve.device import resolve_device
+
+        if self.gguf_weights is None and resolve_device(self.device).type == "cuda":
+            return "dequantize"
+        return self.gguf_weights
 
     @property
     def int4_lm_head(self) -> bool:
@@ -145,6 +162,11 @@ class EngineArgs:
             raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
                              "use --kv-allocator paged or --draft-model ngram")
         parse_bytes(self.kv_cache_memory)
+        from mixserve.device import resolve_device
+
+        if resolve_device(self.device).type == "cuda" and self.gguf_weights == "native":
+            raise ValueError("gguf_weights: native runs on the CPU only (its kernels are CPU code); "
+                             "use --gguf-weights dequantize or --device cpu")
         if self.kernels != "auto":
             parse_overrides(self.kernels)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixserve.device import resolve_device
 from mixserve.engine.args import EngineArgs, parse_bytes, parse_dtype
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string, tokens_in_text
 from mixserve.engine.model_runner import BatchItem, ModelRunner
@@ -71,7 +72,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, loaded=None):
         args.validate()
         self.args = args
-        self.dtype = parse_dtype(args.dtype)
+        self.device = resolve_device(args.device)
+        self.dtype = parse_dtype(args.dtype, self.device)
         cap_threads()
         bound_primitive_caches()  # before any oneDNN call, as amx_permitted below
         self.amx = amx_permitted()  # before any oneDNN call: caps its ISA where AMX is refused
@@ -79,7 +81,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
             args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,
-            args.int4_lm_head, args.gguf_weights)
+            args.int4_lm_head, args.load_gguf_weights)
         self.load_time_s = time.perf_counter() - t0
         self.max_model_len = args.max_model_len or self.cfg.max_position_embeddings
         if self.max_model_len > self.cfg.max_position_embeddings:
@@ -91,12 +93,14 @@ class LLMEngine:
         draft = None
         if args.draft_model and args.draft_model != "ngram":
             draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress,
-                               gguf_weights=args.gguf_weights)
+                               gguf_weights=args.load_gguf_weights)
             check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
             self.draft_cfg = draft[0]
         t1 = time.perf_counter()
         for m in (self.model, draft[1] if draft else None):
-            if hasattr(m, "choose_kernels"):
+            if m is not None and self.device.type != "cpu":
+                m.place(self.device)
+            elif hasattr(m, "choose_kernels"):
                 m.choose_kernels(self.kernels)
         self.kernel_choice_s = time.perf_counter() - t1
         # The draft's cache holds as many tokens as the target's, so the budget is split in
@@ -115,7 +119,8 @@ class LLMEngine:
             self.block_manager = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed,
                                               enable_caching=args.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype,
+                                  self.device)
         self.sampler = Sampler()
         self.proposer = None
         if args.draft_model == "ngram":
@@ -123,14 +128,19 @@ class LLMEngine:
         elif draft is not None:
             dbm = BlockManager(self.num_blocks, args.block_size, args.shuffle_blocks_seed,
                                enable_caching=args.prefix_caching)
-            drunner = ModelRunner(draft[1], self.draft_cfg, dbm, self.num_blocks, args.block_size, self.dtype)
+            drunner = ModelRunner(draft[1], self.draft_cfg, dbm, self.num_blocks, args.block_size, self.dtype,
+                                  self.device)
             self.proposer = DraftModelProposer(drunner, dbm, self._sampling_metadata)
         if self.proposer is not None:
             self.scheduler.on_free.append(self.proposer.free)
         t1 = time.perf_counter()
-        self.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.runner.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+        for r in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else []):
+            if self.device.type == "cpu":
+                r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+            elif args.kernels != "eager":
+                r.use_cuda_graphs(self.max_model_len, args.max_num_seqs)
+            else:
+                r.graph_choice = "eager (--kernels eager)"
         self.kernel_choice_s += time.perf_counter() - t1
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixserve.device import HostStager
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from mixserve.engine.sampler import token_logprobs
@@ -89,20 +90,39 @@ class ModelRunner:
         model: a module with `bind_kv_cache` and forward(input_ids, positions, meta, logits_indices).
         cfg: model config; block_manager: the allocator whose tables address the cache.
         num_blocks, block_size: cache geometry; dtype: cache dtype.
+        device: where the cache and every batch tensor live (the model's device).
     """
 
     def __init__(self, model, cfg: ModelConfig, block_manager: BlockManager, num_blocks: int,
-                 block_size: int, dtype: torch.dtype):
+                 block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 sink_block: bool | None = None):
         self.model = model
         self.cfg = cfg
         self.bm = block_manager
         self.block_size = block_size
-        self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks, block_size, dtype)
+        self.device = torch.device(device)
+        self.stager = HostStager(self.device)
+        # on CUDA one block more than the allocator hands out: the sink that a captured decode
+        # graph's padding rows write to (engine/cuda_graph.py), never a sequence's
+        if sink_block is None:
+            sink_block = self.device.type == "cuda"
+        self.pad_block = num_blocks if sink_block else None
+        self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks + (self.pad_block is not None), block_size,
+                                                         dtype, self.device)
         model.bind_kv_cache(self.k_caches, self.v_caches)
         self.num_blocks = num_blocks
         self.num_forwards = 0
-        self.graph = None  # a DecodeGraph once choose_decode_graph picks it
+        self.graph = None  # a DecodeGraph (CPU) or CudaGraphDecoder (CUDA) once chosen
         self.graph_choice = "eager"
+
+    def use_cuda_graphs(self, max_model_len: int, max_rows: int, capture: bool | None = None) -> str:
+        """Replay decode-only steps from CUDA graphs (engine/cuda_graph.py), captured lazily per
+        (rows, block-table width) bucket. Returns the choice as `describe` states it."""
+        from mixserve.engine.cuda_graph import CudaGraphDecoder
+
+        self.graph = CudaGraphDecoder(self, max_rows, -(-max_model_len // self.block_size), capture)
+        self.graph_choice = f"cuda graphs (rows {self.graph.rows[0]}..{self.graph.max_rows}, captured lazily)"
+        return self.graph_choice
 
     def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int) -> str:
         """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
@@ -145,15 +165,12 @@ class ModelRunner:
         self.graph_choice = pick
         return pick
 
-    def _slot_tensor(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        bs = self.block_size
-        table = torch.tensor(table, dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // bs] * bs + pos % bs
-
     def prepare(self, items: list[BatchItem], block_table=None) -> PreparedBatch:
         """The flat batch for `items`; block_table(seq_id) -> its blocks (default: the block
-        manager's)."""
+        manager's). Every int64 tensor of the batch (ids, positions, slot mapping, logits rows,
+        decode groups' block tables and context lengths, chunked prefills' gather slots) is a view
+        of one buffer sent to the device in one copy (device.HostStager); chunked prefills' masks
+        are made on the device from the positions."""
         bs = self.block_size
         block_table = block_table or self.bm.block_table
         # longest context first, so that groups of similar length form (see DecodeGroup)
@@ -162,8 +179,8 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
         logit_rows: list[int] = []
+        score_rows: list[int] = []
         for i, it in enumerate(decode):
             p = it.start
             table = block_table(it.seq_id)
@@ -172,56 +189,64 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             if it.num_logits:
                 logit_rows.append(i)
-        score_rows: list[int] = []
-        for i, it in enumerate(decode):
             if it.score:
-                score_rows += [i + p - it.start for p in range(*it.score)]
+                score_rows += [i + q - it.start for q in range(*it.score)]
+        groups = []  # (start, end, padded tables, context lengths)
         for start, end in decode_group_bounds([it.start + 1 for it in decode]):
-            self._decode_group(meta, decode, start, end, block_table)
-        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+            # only the blocks that hold context: a table may reach further (a contiguous region)
+            tables = [block_table(it.seq_id)[:it.start // bs + 1] for it in decode[start:end]]
+            width = max(len(t) for t in tables)
+            groups.append((start, end, [b for t in tables for b in t + [0] * (width - len(t))],
+                           [it.start + 1 for it in decode[start:end]]))
+        spans = []  # (row0, row1, gather slots or None)
         for it in multi:
             row0 = len(ids)
             ids.extend(it.token_ids[it.start:it.end])
             pos.extend(range(it.start, it.end))
             table = block_table(it.seq_id)
-            slot_parts.append(self._slot_tensor(table, it.start, it.end))
-            if it.start == 0:
-                span = PrefillSpan(row0, len(ids), None, None)
-            else:
-                q_pos = torch.arange(it.start, it.end)
-                mask = torch.arange(it.end)[None, :] <= q_pos[:, None]
-                span = PrefillSpan(row0, len(ids), self._slot_tensor(table, 0, it.end), mask)
-            meta.prefills.append(span)
+            ctx = [table[q // bs] * bs + q % bs for q in range(it.end)]
+            slots.extend(ctx[it.start:])
+            spans.append((row0, len(ids), ctx if it.start else None))
             logit_rows += range(len(ids) - it.num_logits, len(ids))
             if it.score:
-                score_rows += [row0 + p - it.start for p in range(*it.score)]
-        meta.slot_mapping = torch.cat(slot_parts)
+                score_rows += [row0 + q - it.start for q in range(*it.score)]
+        T = len(ids)
+        flat = ids + pos + slots + logit_rows
+        for _, _, tables, lens in groups:
+            flat += tables + lens
+        for _, _, gather in spans:
+            flat += gather or []
+        buf = self.stager.upload(flat)
+        views = iter(buf.split([T, T, T, len(logit_rows)]
+                               + [n for _, _, t, c in groups for n in (len(t), len(c))]
+                               + [len(g) for _, _, g in spans if g]))
+        input_ids, positions, slot_mapping, logits_indices = (next(views) for _ in range(4))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=len(decode))
+        for start, end, _, lens in groups:
+            bt = next(views).view(end - start, -1)
+            meta.decode_groups.append(DecodeGroup(start, end, bt, next(views)))
+        for row0, row1, gather in spans:
+            if gather is None:
+                meta.prefills.append(PrefillSpan(row0, row1, None, None))
+                continue
+            g = next(views)
+            mask = torch.arange(len(gather), device=buf.device)[None, :] <= positions[row0:row1, None]
+            meta.prefills.append(PrefillSpan(row0, row1, g, mask))
         return PreparedBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
+            input_ids=input_ids,
+            positions=positions,
             meta=meta,
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long),
+            logits_indices=logits_indices,
             items=[it for it in decode + multi if it.num_logits],
             score_rows=score_rows,
             score_items=[it for it in decode + multi if it.score],
         )
 
-    def _decode_group(self, meta: AttentionMetadata, decode: list[BatchItem], start: int, end: int,
-                      block_table) -> None:
-        bs = self.block_size
-        # only the blocks that hold context: a table may reach further (a contiguous region)
-        tables = [block_table(it.seq_id)[:it.start // bs + 1] for it in decode[start:end]]
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        ctx = torch.tensor([it.start + 1 for it in decode[start:end]])
-        meta.decode_groups.append(DecodeGroup(start, end, bt, ctx))
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate K/V of src blocks into dst blocks in every layer."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies])
-        dst = torch.tensor([c[1] for c in copies])
+        src, dst = self.stager.upload([c[0] for c in copies] + [c[1] for c in copies]).chunk(2)
         for kc, vc in zip(self.k_caches, self.v_caches):
             kc[dst] = kc[src]
             vc[dst] = vc[src]
@@ -242,7 +267,7 @@ class ModelRunner:
             logits = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices)
         else:
             logits, hidden = self.model(batch.input_ids, batch.positions, batch.meta, batch.logits_indices,
-                                        torch.tensor(batch.score_rows, dtype=torch.long))
+                                        torch.tensor(batch.score_rows, dtype=torch.long, device=self.device))
             self._score(hidden, batch.score_items)
         self.num_forwards += 1
         return logits, batch.items
@@ -262,6 +287,7 @@ class ModelRunner:
         for s0 in range(0, len(targets), SCORE_SLICE_ROWS):
             s1 = min(len(targets), s0 + SCORE_SLICE_ROWS)
             logits = self.model.compute_logits(hidden[s0:s1])
-            lps = token_logprobs(logits, torch.tensor(targets[s0:s1]), targets[s0:s1], tops[s0:s1])
+            lps = token_logprobs(logits, torch.tensor(targets[s0:s1], device=self.device), targets[s0:s1],
+                                 tops[s0:s1])
             for it, lp in zip(owners[s0:s1], lps):
                 it.scores.append(lp)

@@ -123,9 +123,10 @@ def _pairs(rows: list[int], sources: list[list[list[int]]], device: torch.device
             flat.extend(ids)  # list.extend runs in C; the per-token Python loop would dominate
             n += len(ids)
         lens.append(n)
-    tok = torch.tensor(flat, dtype=torch.long)
-    row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), torch.tensor(lens, dtype=torch.long))
-    return row.to(device), tok.to(device)
+    # one upload (tokens, rows, lengths), then the rows repeated on the device
+    t = torch.tensor(flat + rows + lens, dtype=torch.long, device=device)
+    tok, row, ln = t.split([len(flat), len(rows), len(lens)])
+    return torch.repeat_interleave(row, ln, output_size=len(flat)), tok
 
 
 def _check_ids(tok: torch.Tensor, vocab: int, what: str) -> None:
@@ -279,7 +280,8 @@ def exponential_noise(generator: torch.Generator, vocab: int) -> torch.Tensor:
     float64, because a float32 uniform is 0 with probability 2**-24 per entry, which over a
     150k vocabulary would hand a visible share of draws to whichever token got E = 0.
     """
-    return torch.empty(vocab, dtype=torch.float64).exponential_(generator=generator)
+    # on the host: a request's generator is a CPU one, so its text is the same on every device
+    return torch.empty(vocab, dtype=torch.float64, device="cpu").exponential_(generator=generator)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

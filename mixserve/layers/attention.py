@@ -75,8 +75,9 @@ class DecodeGroup:
         and the unwritten tail of the last block; made once per step (every layer shares it)."""
         b = self._masks.get("bias")
         if b is None:
-            ar = torch.arange(self.block_tables.shape[1] * block_size)
-            b = torch.zeros(self.block_tables.shape[0], len(ar))
+            dev = self.block_tables.device
+            ar = torch.arange(self.block_tables.shape[1] * block_size, device=dev)
+            b = torch.zeros(self.block_tables.shape[0], len(ar), device=dev)
             b = self._masks["bias"] = b.masked_fill_(ar[None, :] >= self.context_lens[:, None], float("-inf"))
         return b
 
@@ -148,6 +149,26 @@ def paged_attention(
         )
         out[span.start:span.end] = os_.squeeze(0).transpose(0, 1)
     return out
+
+
+def gathered_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                              context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode-only step's attention for one layer at fixed shapes, as a CUDA graph captures it
+    (engine/cuda_graph.py): k, v [B, kv_heads, d] written at slot_mapping (int64 [B]) with one
+    index_copy_ each, then every row's blocks gathered through its block table (int64 [B, W], all
+    W blocks: padding entries name any block, the mask hides them) and attended with SDPA under a
+    mask built on the device from context_lens (int64 [B]). q [B, H, d]. Returns [B, H, d].
+    Plain PyTorch, so it runs (and is tested) on the CPU too."""
+    num_kv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, v)
+    kd = k_cache[block_tables].flatten(1, 2)  # [B, W * block_size, kv_heads, d]
+    vd = v_cache[block_tables].flatten(1, 2)
+    visible = torch.arange(kd.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
+                                       attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
+    return o.squeeze(2)
 
 
 def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):

@@ -95,7 +95,9 @@ class DenseLinear(nn.Module):
         if self.dense_weight_dtype() == torch.float32:
             return self._forward(x).float()
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < self.float_gemv_rows and self.weight is not None:
+        if x2.is_cuda:
+            y = cuda_float_linear(x2, self.weight, self.bias)
+        elif x2.shape[0] < self.float_gemv_rows and self.weight is not None:
             y = bf16_gemv.gemv(x2, self.weight, self.bias, torch.float32)
         elif _MKLDNN and x2.dtype == torch.bfloat16:
             hi = self._forward(x2)
@@ -118,6 +120,21 @@ class DenseLinear(nn.Module):
         if self.impl == "gemv" and x.dim() == 2 and x.shape[0] <= bf16_gemv.MAX_ROWS and x.dtype == torch.bfloat16:
             return bf16_gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def cuda_float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 x @ w^T + b on CUDA from bf16 x [M, in] and w [out, in], accumulated in float32 and
+    never rounded to bf16 (float logits: shared/cases/bf16-logit-granularity.md). cuBLAS's bf16
+    GEMM accumulates in float32; its epilogue adds C in float32 before the one rounding, so
+    hi = bf16(xW), lo = bf16(xW - hi) (addmm with C = -hi) and hi + lo keep ~16 significant bits
+    at two reads of w, not the float32 copy of w per call that F.linear(x.float(), w.float())
+    would write. float32 operands: one plain GEMM. Returns float32 [M, out]."""
+    if w.dtype == torch.float32:
+        return F.linear(x.float(), w, bias)
+    x = x.to(w.dtype)
+    hi = F.linear(x, w)
+    y = hi.float() + torch.addmm(hi.neg(), x, w.t()).float()
+    return y + bias.float() if bias is not None else y
 
 
 DENSE_ROWS = (1, 4, 16, 128)
@@ -180,7 +197,10 @@ class Int4Linear(nn.Module):
     runs, where that beats the int4 kernel: where it does is measured per machine
     (`int4_candidates`, layers/kernel_choice.py). Only the packed integers stay resident (0.5 byte
     per weight plus scales).
-    Off CPU the dense path is always used (no CUDA int4 kernel is wired yet).
+    On CUDA (`to_device`) the weight is repacked for PyTorch's CUDA int4 kernel
+    `aten._weight_int4pack_mm` (bf16 activations; the same (q - 8) * scale + zero' form), with the
+    nibbles also kept as uint8 [out, in / 2] for the dense path's dequantization (float32 models,
+    `dense_rows` and up).
 
     float_out (set on an LM head): the result is float32, within ~1e-3 of the float32 product of
     the activations with `float_weight()` (`forward_float`).
@@ -247,9 +267,51 @@ class Int4Linear(nn.Module):
             self.vq = self.vs = self.vm = None
         self.kernel = kernel
 
+    def int_weight(self) -> torch.Tensor:
+        """The integers q [out, in] (uint8, 0..15) from whichever layout holds them."""
+        n, k = self.out_features, self.in_features
+        if self.kernel == "vnni":
+            return int4_vnni.unpack(self.vq)
+        if self.kernel == "cuda":
+            return torch.stack([self.nibbles >> 4, self.nibbles & 15], -1).view(n, k)
+        return _unpack_int4pack_cpu(self.packed, n, k)
+
+    def to_device(self, device: torch.device) -> None:
+        """Move to `device` (device.move_module). CUDA: the integers repacked for
+        `aten._weight_int4pack_mm` (uint8 [out, in / 2], even input channel in the high nibble, then
+        `_convert_weight_to_int4pack` with the most inner k-tiles the shape allows), scales and
+        zero points as its [in / g, out, 2] bf16 table. Raises ValueError for another device type,
+        or a shape the CUDA kernel cannot take (in % 32, out % 8)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return
+        if device.type != "cuda":
+            raise ValueError(f"int4 linear: no int4 layout for device {device}")
+        n, k = self.out_features, self.in_features
+        if n % 8 or k % 32:
+            raise ValueError(f"int4 linear: CUDA int4 kernel needs out % 8 == 0 and in % 32 == 0 (got {n}x{k})")
+        q = self.int_weight().to(torch.int32)
+        self.nibbles = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).to(device)
+        inner = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(self.nibbles, inner)
+        self.scale_rows = self.scale_rows.to(device)
+        self.zero_rows = self.zero_rows.to(device)
+        self.scales_and_zeros = torch.stack([self.scale_rows.t(), self.zero_rows.t()], -1).to(torch.bfloat16) \
+            .contiguous()
+        self.bias = self.bias.to(device) if self.bias is not None else None
+        self.vq = self.vs = self.vm = None
+        self.kernel = "cuda"
+
+    def _dequantize_nibbles(self, dtype: torch.dtype) -> torch.Tensor:
+        """CUDA layout: (q - 8) * scale + zero' in `dtype`, [out, in], in plain PyTorch."""
+        q = self.int_weight().view(self.out_features, -1, self.group_size).to(dtype)
+        w = torch.addcmul(self.zero_rows.to(dtype).unsqueeze(-1), q - 8, self.scale_rows.to(dtype).unsqueeze(-1))
+        return w.view(self.out_features, self.in_features)
+
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_rows,
-                                                           self.zero_rows, self.vq, self.vs, self.vm)
+                                                           self.zero_rows, self.vq, self.vs, self.vm,
+                                                           getattr(self, "nibbles", None))
                    if t is not None)
 
     def dense_weight(self, reuse: bool = False) -> torch.Tensor:
@@ -258,6 +320,8 @@ class Int4Linear(nn.Module):
         n = self.out_features * self.in_features
         # an LM head (a quarter billion weights) would pin its size in scratch for good
         out = scratch(n, self.dtype) if reuse and n <= SCRATCH_MAX_ELEMENTS else None
+        if self.kernel == "cuda":
+            return self._dequantize_nibbles(self.dtype)
         if self.kernel == "vnni":
             out = out if out is not None else torch.empty(n, dtype=self.dtype)
             return int4_vnni.dequantize(self.vq, self.vs, self.vm, self.group_size, out)
@@ -279,6 +343,8 @@ class Int4Linear(nn.Module):
         layout keeps them in float16, PyTorch's in the compute dtype): the operand float32 logits
         are checked against."""
         n = self.out_features * self.in_features
+        if self.kernel == "cuda":
+            return self._dequantize_nibbles(torch.float32)
         if self.kernel == "vnni":
             return int4_vnni.dequantize(self.vq, self.vs, self.vm, self.group_size, torch.empty(n))
         return self._dequantize_torch_layout(torch.float32)
@@ -316,6 +382,11 @@ class Int4Linear(nn.Module):
                                                            self.group_size, self.scales_and_zeros)
             y = y.view(*x.shape[:-1], self.out_features)
             return y + self.bias if self.bias is not None else y
+        if self.kernel == "cuda" and x.dtype == torch.bfloat16 and (self.dense_rows is None or rows < self.dense_rows):
+            y = torch.ops.aten._weight_int4pack_mm(x.reshape(rows, -1).contiguous(), self.packed, self.group_size,
+                                                   self.scales_and_zeros)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y + self.bias if self.bias is not None else y
         return F.linear(x, self.gemm_weight(), self.bias)
 
     def gemm_weight(self) -> torch.Tensor:
@@ -326,6 +397,8 @@ class Int4Linear(nn.Module):
         vector stores at over twice the rate, and the GEMM reads either form at one speed. Both
         layouts' kernels write with non-temporal stores (layers/int4_dequant.py)."""
         n = self.out_features * self.in_features
+        if self.kernel == "cuda":
+            return self._dequantize_nibbles(self.dtype)
         if self.kernel == "torch" and n <= SCRATCH_MAX_ELEMENTS:
             wt = dequantize_int4pack(self.packed, self.scale_rows, self.zero_rows, self.out_features,
                                      self.in_features, self.group_size, scratch(n, self.dtype), transposed=True)

@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers.attention import AttentionMetadata, choose_decode_kernel, paged_attention
+from mixserve.layers.attention import (AttentionMetadata, choose_decode_kernel, gathered_decode_attention,
+                                       paged_attention)
 from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
 from mixserve.layers.kernel_choice import KernelChooser
 from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 from mixserve.layers.paged_decode import paged_decode_attention
+from mixserve.device import move_module
 from mixserve.layers.rmsnorm import RMSNorm
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
@@ -56,6 +58,8 @@ class DecoderLayer(nn.Module):
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
         if isinstance(meta, AttentionMetadata):
             a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
+        elif self.k_cache.is_cuda:  # a CUDA graph's fixed-width step (engine/cuda_graph.py)
+            a = gathered_decode_attention(q, k, v, self.k_cache, self.v_cache, *meta, self.scale)
         else:
             a = paged_decode_attention(q, k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, *meta, self.scale)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
@@ -123,6 +127,24 @@ class LlamaForCausalLM(nn.Module):
         pick = choose_decode_kernel(chooser, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
         for layer in self.layers:
             layer.decode_attention = pick
+
+    def place(self, device: torch.device) -> None:
+        """Move the model to a non-CPU device (device.move_module): dense linears run PyTorch's
+        kernels there (cuBLAS; float logits via linear.cuda_float_linear), int4 ones its CUDA int4
+        kernel, decode attention gathers + SDPA. An int4 LM head becomes its dense dequantization
+        in the compute dtype: the CUDA int4 kernel returns bf16, and logits must stay float32.
+        Raises ValueError for GGUF-native layers (CPU kernels: load with gguf_weights dequantize)."""
+        if any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in self.modules()):
+            raise ValueError(f"device {device}: GGUF-native layers run on the CPU only; load the model with "
+                             "--gguf-weights dequantize")
+        if isinstance(self.lm_head, Int4Linear):
+            head = DenseLinear(self.lm_head.dense_weight().to(self.dtype),
+                               self.lm_head.bias.to(self.dtype) if self.lm_head.bias is not None else None)
+            head.float_out = True
+            self.lm_head = head
+        move_module(self, device)
+        for layer in self.layers:
+            layer.decode_attention = "sdpa"
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Give each layer its K/V cache tensors [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mixserve.device import move_module, resolve_device, synchronize
 from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import linear_shapes
 from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch, StepModel
@@ -37,15 +38,18 @@ PROFILE_VERSION = 1
 OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
 
-def _time(fn, repeats: int, warmup: int = 1) -> float:
+def _time(fn, repeats: int, warmup: int = 1, device="cpu") -> float:
     """Median seconds of `repeats` calls after `warmup` (oneDNN builds a primitive per new shape
-    on first use; the median drops a noisy neighbour's spikes)."""
+    on first use; the median drops a noisy neighbour's spikes). On CUDA each call is timed to the
+    end of its kernels (launches are asynchronous)."""
     for _ in range(warmup):
         fn()
+    synchronize(device)
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        synchronize(device)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -88,11 +92,13 @@ def gguf_shape_types(path, cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]
 
 
 def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, chooser, head: bool = False,
-                 tied: bool = False, gguf_parts: list[tuple[str, int]] | None = None):
+                 tied: bool = False, gguf_parts: list[tuple[str, int]] | None = None, device="cpu"):
     """A linear as the engine would build and run it here: DenseLinear / Int4Linear / GGUFLinear
     (random weights of the file's block types, `gguf_parts`) with the kernel `chooser` picks for
     its shape (layers/kernel_choice.py); head: an LM head, with its float32 result (`float_out`);
-    tied: a dense head whose plain weight the embedding holds."""
+    tied: a dense head whose plain weight the embedding holds. On CUDA the linear is moved there
+    as the engine places a model (LlamaForCausalLM.place): cuBLAS for bf16, PyTorch's CUDA int4
+    kernel for int4; the CPU kernel choice does not apply."""
     from mixserve.layers.gguf_linear import NATIVE_TYPES, GGUFLinear, random_weight
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
@@ -109,11 +115,13 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
     lin.float_out = head
     if isinstance(lin, DenseLinear):
         lin.keep_plain = head and tied
+    if torch.device(device).type != "cpu":
+        return move_module(lin, torch.device(device))
     choose_linear_kernel(lin, chooser, dtype)
     return lin
 
 
-def _rotating_timer(lin, nbytes: int):
+def _rotating_timer(lin, nbytes: int, device="cpu"):
     """seconds(x) of one call of `lin` on rotating copies past the last-level cache, as a decode
     step streams its weights (a cache-hot timing made bf16 look 3-5x faster than in the engine at
     1 row, benchmarks/probe_cache.py). Copies share nothing but the kernel choice."""
@@ -130,6 +138,17 @@ def _rotating_timer(lin, nbytes: int):
         if isinstance(lin, GGUFLinear):  # its tensors live in the parts
             m.parts = [clone_weight(p) for p in lin.parts]
         return m
+    if torch.device(device).type == "cuda":
+        # past the GPU's L2 (tens of MB): copies worth 256 MB, at most 16
+        copies = [lin] + [clone() for _ in range(min(15, (256 << 20) // max(1, nbytes)))]
+
+        def gpu_timer(x, passes: int):
+            with torch.inference_mode():
+                for m in copies[:2]:
+                    m(x)
+                return min(_time(lambda: [m(x) for m in copies], 1, 0, device) / len(copies)
+                           for _ in range(max(1, passes)))
+        return gpu_timer
     copies = [lin] + rotating_copies(clone, nbytes)[1:]
 
     def timer(x, passes: int):
@@ -139,7 +158,7 @@ def _rotating_timer(lin, nbytes: int):
 
 
 def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, repeats: int,
-             slack: float = 1.15) -> list[int]:
+             slack: float = 1.15, device="cpu") -> list[int]:
     """A matmul never gets much faster with more rows, so a point over `slack` times the next
     larger one was probably disturbed (another process, a thread wake-up): time it again, keeping
     the smaller median, up to twice. (A 1-row gate/up at 1.20 ms beside 0.76 ms at 2 rows once put
@@ -150,7 +169,7 @@ def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, r
         for _ in range(2):
             if ts[i] <= slack * ts[i + 1]:
                 break
-            x = torch.randn(rows[i], in_features).to(dtype)
+            x = torch.randn(rows[i], in_features, device=device).to(dtype)
             ts[i] = min(ts[i], timer(x, 2 * repeats))
         if ts[i] > 2 * ts[i + 1]:
             suspect.append(rows[i])
@@ -158,7 +177,7 @@ def _recheck(timer, rows: list[int], ts: list[float], in_features: int, dtype, r
 
 
 def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, repeats: int,
-                  group_size: int = 128, log=print, chooser=None, gguf_path=None) -> dict:
+                  group_size: int = 128, log=print, chooser=None, gguf_path=None, device="cpu") -> dict:
     """{format: {shape: {"rows": [...], "seconds": [...], "kernel": ...}}}: median seconds of one
     call, with the kernel the engine chooses on this machine, weights rotating past the cache.
     Format "gguf" needs `gguf_path`: each shape is timed with that file's block types."""
@@ -168,6 +187,8 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
     chooser = chooser or KernelChooser()
     out = {}
     if "gguf" in formats:
+        if torch.device(device).type != "cpu":
+            raise ValueError("formats: gguf's native kernels are CPU code; on a GPU the engine runs GGUF dequantized")
         if gguf_path is None:
             raise ValueError("formats: gguf needs a GGUF model (its block types are what is timed)")
         gguf_types = gguf_shape_types(gguf_path, cfg)
@@ -182,7 +203,8 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
                 continue
             gparts = gguf_types[s.name] if fmt == "gguf" else None
             lin = _make_linear(fmt, s.out_features, s.in_features, dtype, group_size, chooser,
-                               head=s.name == "lm_head", tied=cfg.tie_word_embeddings, gguf_parts=gparts)
+                               head=s.name == "lm_head", tied=cfg.tie_word_embeddings, gguf_parts=gparts,
+                               device=device)
             if fmt == "gguf" and hasattr(lin, "qtypes"):
                 switch = lin.float_dense_rows if lin.float_out else lin.dense_rows
                 kernel = f"gguf {lin.qtypes}, " + (f"dense from {switch} rows" if switch is not None
@@ -191,16 +213,20 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
             elif fmt == "gguf":
                 kernel = f"dense {lin.impl} ({'+'.join(t for t, _ in gparts)}: no native kernel for all parts)"
                 nbytes = s.numel * (torch.finfo(dtype).bits // 8)
+            elif torch.device(device).type != "cpu":
+                kernel = ("cuBLAS" if fmt == "bf16" else f"int4 {getattr(lin, 'kernel', '?')}, "
+                          f"dense from {lin.dense_rows} rows")
+                nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
             else:
                 kernel = getattr(lin, "impl", None) or f"int4, dense from {lin.dense_rows} rows"
                 nbytes = s.numel * (torch.finfo(dtype).bits // 8 if fmt == "bf16" else 1) // (1 if fmt == "bf16" else 2)
-            timer = _rotating_timer(lin, nbytes)
+            timer = _rotating_timer(lin, nbytes, device)
             ts = []
             for r in rows:
-                x = torch.randn(r, s.in_features).to(dtype)
+                x = torch.randn(r, s.in_features, device=device).to(dtype)
                 # few passes for the big calls: their spread is small relative to their time
                 ts.append(timer(x, repeats if r * s.numel < 2e9 else 1))
-            suspect = _recheck(timer, rows, ts, s.in_features, dtype, repeats)
+            suspect = _recheck(timer, rows, ts, s.in_features, dtype, repeats, device=device)
             del timer
             out[fmt][s.name] = {"rows": list(rows), "seconds": ts, "out_features": s.out_features,
                                 "in_features": s.in_features, "kernel": kernel}
@@ -221,7 +247,7 @@ class _Holder:
 
 
 def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[int, int] | None,
-                    repeats: int, block_size: int = 16, decode: str = "sdpa") -> float:
+                    repeats: int, block_size: int = 16, decode: str = "sdpa", device="cpu") -> float:
     """Median seconds of one layer's paged_attention for the given batch, prepared by the
     engine's ModelRunner over a BlockManager holding just these sequences."""
     from mixserve.engine.model_runner import BatchItem, ModelRunner
@@ -231,7 +257,7 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
     need = sum(-(-c // block_size) for c in decode_ctx) + (-(-span[1] // block_size) if span else 0)
     bm = BlockManager(need + 1, block_size)
     one = ModelConfig(**{**cfg.as_dict(), "num_layers": 1})
-    runner = ModelRunner(_Holder(), one, bm, need + 1, block_size, dtype)
+    runner = ModelRunner(_Holder(), one, bm, need + 1, block_size, dtype, device)
     items = []
     for i, c in enumerate(decode_ctx):
         bm.append_slots(i, 0, c)
@@ -242,16 +268,17 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
         items.append(BatchItem(10**6, [0] * c, c - q, c, 1))
     batch = runner.prepare(items)
     T = batch.input_ids.shape[0]
-    qt = torch.randn(T, cfg.num_heads, cfg.head_dim).to(dtype)
-    kt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
-    vt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim).to(dtype)
+    qt = torch.randn(T, cfg.num_heads, cfg.head_dim, device=device).to(dtype)
+    kt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, device=device).to(dtype)
+    vt = torch.randn(T, cfg.num_kv_heads, cfg.head_dim, device=device).to(dtype)
     kc, vc = runner.k_caches[0], runner.v_caches[0]
     with torch.inference_mode():
-        return _time(lambda: paged_attention(qt, kt, vt, kc, vc, batch.meta, cfg.head_dim ** -0.5, decode), repeats)
+        return _time(lambda: paged_attention(qt, kt, vt, kc, vc, batch.meta, cfg.head_dim ** -0.5, decode), repeats,
+                     device=device)
 
 
 def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print,
-                    chooser=None) -> dict:
+                    chooser=None, device="cpu") -> dict:
     """Decode attention over a (rows, context) grid and span attention over (queries, context),
     one layer, with least-squares fits; the decode grid itself is kept for the planner
     (MeasuredModel interpolates it), the decode fit is for reading. Decode rows use the kernel
@@ -260,13 +287,14 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     from mixserve.layers.kernel_choice import KernelChooser
 
     chooser = chooser or KernelChooser()
-    decode = choose_decode_kernel(chooser, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+    decode = (choose_decode_kernel(chooser, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+              if torch.device(device).type == "cpu" else "sdpa")
     dec_pts = []
     rows_grid = DECODE_ATTENTION_ROWS
     ctx_grid = sorted({c for c in DECODE_ATTENTION_CONTEXTS if c < max_context} | {max_context})
     for b in rows_grid:
         for c in ctx_grid:
-            t = _attention_case(cfg, dtype, [c] * b, None, repeats, decode=decode)
+            t = _attention_case(cfg, dtype, [c] * b, None, repeats, decode=decode, device=device)
             dec_pts.append({"rows": b, "context": c, "seconds": t})
     X = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in dec_pts])
     dec_fit = fit_nonneg(X, np.array([p["seconds"] for p in dec_pts]))
@@ -276,7 +304,7 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     span_pts = []
     for q, c in ((16, 16), (128, 128), (512, 512), (min(2048, max_context), min(2048, max_context)),
                  (64, 1024), (256, 1024), (5, 512)):
-        t = _attention_case(cfg, dtype, [], (q, c), repeats)
+        t = _attention_case(cfg, dtype, [], (q, c), repeats, device=device)
         span_pts.append({"queries": q, "context": c, "seconds": t})
     X = np.array([[1.0, p["queries"], p["queries"] * p["context"] - p["queries"] * (p["queries"] - 1) // 2]
                   for p in span_pts])
@@ -289,11 +317,11 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
             "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
 
 
-def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy, counting the read and the write."""
-    a = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, device="cpu") -> float:
+    """Bytes per second of a large tensor copy on `device`, counting the read and the write."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     b = torch.empty_like(a)
-    t = _time(lambda: b.copy_(a), repeats)
+    t = _time(lambda: b.copy_(a), repeats, device=device)
     return 2 * nbytes / t
 
 
@@ -312,13 +340,13 @@ def fit_overhead(decode: list[dict], prefill: list[dict]) -> list[float]:
     return [a, b, max(0.0, statistics.median(per_token)) if per_token else 0.0]
 
 
-def overhead_engine(model: str, dtype):
+def overhead_engine(model: str, dtype, device="cpu"):
     """The engine `probe_overhead` steps (its own kernel choices, a 256 MiB cache)."""
     from mixserve.engine.args import EngineArgs
     from mixserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
-                                max_num_batched_tokens=4096, max_model_len=2048))
+                                max_num_batched_tokens=4096, max_model_len=2048, device=str(device)))
 
 
 def live_linear_seconds(model, rows: int, repeats: int) -> float:
@@ -328,13 +356,14 @@ def live_linear_seconds(model, rows: int, repeats: int) -> float:
     from mixserve.layers.linear import DenseLinear, Int4Linear
 
     lins = [m for m in model.modules() if isinstance(m, (DenseLinear, Int4Linear))]
-    xs = {k: torch.randn(rows, k).to(model.dtype) for k in {m.in_features for m in lins}}
+    device = model.embed_tokens.weight.device
+    xs = {k: torch.randn(rows, k, device=device).to(model.dtype) for k in {m.in_features for m in lins}}
 
     def one():
         for m in lins:
             m(xs[m.in_features])
     with torch.inference_mode():
-        return _time(one, repeats)
+        return _time(one, repeats, device=device)
 
 
 def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
@@ -408,11 +437,14 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
 
 
 def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = ("bf16", "int4"),
-          repeats: int = 5, max_context: int = 2048, engine_steps: bool = True, log=print) -> dict:
-    """Measure this machine for `model` (a built-in name, GGUF or HF folder). Returns the
-    profile dict (JSON-serializable); see the module docstring for what is measured.
+          repeats: int = 5, max_context: int = 2048, engine_steps: bool = True, log=print,
+          device: str = "cpu") -> dict:
+    """Measure this machine for `model` (a built-in name, GGUF or HF folder) on `device` ("cpu",
+    "cuda", "auto"). Returns the profile dict (JSON-serializable); see the module docstring for
+    what is measured. On a GPU the profile also carries `datasheet` (gpu_datasheet_ratio): the
+    measured bandwidth and bf16 GEMM rate over the named GPU's datasheet figures.
 
-    Raises ValueError for empty rows or an unknown format.
+    Raises ValueError for empty rows, an unknown format, or a device that is not here.
     """
     from mixserve.env import machine_info
     from mixserve.engine.args import default_dtype
@@ -430,22 +462,25 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         raise ValueError(f"formats: gguf times a GGUF file's own block types; {model} is not a GGUF model")
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
-    dtype = default_dtype()
-    log(f"probing {model} on {machine_info()['cpu']} ({torch.get_num_threads()} threads, {dtype})")
+    dev = resolve_device(device)
+    gpu = dev.type == "cuda"
+    dtype = default_dtype(dev)
+    where = torch.cuda.get_device_name(dev) if gpu else machine_info()["cpu"]
+    log(f"probing {model} on {where} ({torch.get_num_threads()} threads, {dtype})")
     warnings = []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     cores = os.cpu_count() or 1
-    if load > 0.5 * cores:
+    if load > 0.5 * cores and not gpu:
         warnings.append(f"the load average was {load:.1f} on {cores} cores when the probe started: other work "
                         "shares the CPUs, and the timings may not be this machine's")
         log(f"  warning: {warnings[-1]}")
     from mixserve.layers.kernel_choice import KernelChooser, amx_permitted, cap_threads
 
     cap_threads()
-    amx = amx_permitted()
+    amx = amx_permitted() and not gpu
     chooser = KernelChooser()
     t0 = time.perf_counter()
-    bw = probe_bandwidth()
+    bw = probe_bandwidth(device=dev)
     log(f"  memory bandwidth (copy, read + write): {bw / 1e9:.1f} GB/s")
     prof = {
         "version": PROFILE_VERSION,
@@ -454,18 +489,18 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         "config": cfg.as_dict(),
         "dtype": str(dtype).replace("torch.", ""),
         "int4_group_size": 128,
-        "machine": {**machine_info(), "device": "cpu"},
+        "machine": {**machine_info(), "device": where if gpu else "cpu"},
         "bandwidth_bytes_per_s": bw,
         "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser,
-                                gguf_path=r.path if r.kind == "gguf" else None),
+                                gguf_path=r.path if r.kind == "gguf" else None, device=dev),
     }
     eng = reference = None
     if engine_steps:
         # the engine steps come minutes after the tables: the same linears timed through the
         # engine now and again then measure the host's drift between the two (probe_overhead)
-        eng = overhead_engine(model, dtype)
+        eng = overhead_engine(model, dtype, dev)
         reference = {b: live_linear_seconds(eng.model, b, repeats) for b in OVERHEAD_DECODE_BATCHES}
-    prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser)
+    prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser, device=dev)
     prof["kernels"] = {"amx": amx, "threads": torch.get_num_threads(),
                        "choices": {c.key: {"name": c.name, "source": c.source, "timings": c.timings}
                                    for c in chooser.choices.values()}}
@@ -478,12 +513,44 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     else:
         prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],
                             "note": "not measured (--no-engine-steps)"}
+    if gpu:
+        prof["datasheet"] = gpu_datasheet_ratio(where, bw, prof["linear"].get("bf16", {}))
+        d = prof["datasheet"]
+        if d.get("accelerator"):
+            log(f"  against the {d['name']} datasheet: bandwidth {d['bandwidth_ratio']:.0%}, "
+                f"bf16 GEMM {d['flops_ratio']:.0%} of the roofline the planner's --hardware {d['accelerator']} assumes")
+        else:
+            log(f"  no datasheet entry for {where!r} ({', '.join(ACCELERATORS)})")
     prof["probe_seconds"] = time.perf_counter() - t0
     for w in consistency_warnings(prof):
         warnings.append(w)
         log(f"  warning: {w}")
     prof["warnings"] = warnings
     return prof
+
+
+def gpu_datasheet_ratio(gpu_name: str, bandwidth: float, bf16_linear: dict) -> dict:
+    """The probe's GPU figures over the datasheet's (plan/step_time.ACCELERATORS) for the GPU
+    named `gpu_name` (torch.cuda.get_device_name, e.g. "NVIDIA H200"): bandwidth (copy, bytes/s)
+    and the best bf16 linear rate (FLOP/s, 2 * rows * out * in / seconds over `bf16_linear`'s
+    table). Returns {} fields with None when no accelerator's name matches."""
+    import re
+
+    key = None
+    name = gpu_name.lower()
+    for k in ACCELERATORS:
+        # "h100-sxm" -> the word "h100" in the name ("l4" must not match "L40S")
+        if re.search(rf"\b{re.escape(k.split('-')[0])}\b", name) and (key is None or len(k) > len(key)):
+            key = k
+    flops = 0.0
+    for t in bf16_linear.values():
+        for r, sec in zip(t["rows"], t["seconds"]):
+            flops = max(flops, 2 * r * t["out_features"] * t["in_features"] / max(sec, 1e-12))
+    if key is None:
+        return {"accelerator": None, "bandwidth_bytes_per_s": bandwidth, "bf16_flops": flops}
+    acc = ACCELERATORS[key]
+    return {"accelerator": key, "name": acc.name, "bandwidth_bytes_per_s": bandwidth, "bf16_flops": flops,
+            "bandwidth_ratio": bandwidth / acc.bandwidth, "flops_ratio": flops / acc.bf16_flops}
 
 
 def consistency_warnings(prof: dict, factor: float = 1.5) -> list[str]:

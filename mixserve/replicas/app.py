@@ -199,6 +199,10 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
     local = ray_address is None
     if not local:
         _check_reachable(ray_address)
+    # ray.init puts its own SIGTERM handler in (kill every Ray process, exit 1; its C++ one then
+    # aborts). The caller's go back right after it, before any replica can answer a request: a
+    # SIGTERM that came while Serve deployed would otherwise cut the streams it had already begun
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if local:
         need = opts.cpus * max(opts.num_replicas, opts.max_replicas or 0)
         # "local": a new instance even when `ray start` left one running here (or RAY_ADDRESS
@@ -207,6 +211,9 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
                  configure_logging=True, logging_level=logging.WARNING)
     else:
         ray.init(address=ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    for sig, h in handlers.items():
+        if h is not None:
+            signal.signal(sig, h)
     from mixserve.replicas.replica import DRAIN_NAMESPACE
 
     _signal = _drain_signal_class().options(name=name, namespace=DRAIN_NAMESPACE).remote()
@@ -260,11 +267,7 @@ def run(engine_args, server_cfg, opts: ReplicaOptions, host: str, port: int, ray
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    local = start(engine_args, server_cfg, opts, host, port, ray_address)
-    # ray.init put its own SIGTERM handler in (kill every Ray process, exit 1; its C++ one then
-    # aborts): ours again, so a SIGTERM drains
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    local = start(engine_args, server_cfg, opts, host, port, ray_address)  # keeps these handlers
     print(f"mixserve: {opts.num_replicas} replica(s) of {engine_args.model} behind http://{host}:{port} "
           f"(routing {opts.routing})", flush=True)
     try:

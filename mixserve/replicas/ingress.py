@@ -57,6 +57,22 @@ def _replica_errors() -> tuple:
     return (rex.RayActorError, rex.ActorUnavailableError)
 
 
+def _relay(content, status: int, headers: dict, on_close):
+    """A StreamingResponse that calls on_close however it ends. Starlette drops its body iterator
+    unclosed when the client goes mid-send, so the iterator's own `finally` would wait for the
+    garbage collector; this cancels the replica call at once (the replica aborts, KV freed)."""
+    from starlette.responses import StreamingResponse
+
+    class Relay(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                on_close()
+
+    return Relay(content, status_code=status, headers=headers)
+
+
 class _ReplicaMetrics:
     """Collector: each live replica's Prometheus text (its last routing stats) relabelled with
     replica=<name>, one family per metric name across replicas."""
@@ -167,7 +183,7 @@ class Ingress:
 
     # -- the request path ------------------------------------------------------------------------
     async def __call__(self, request):
-        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.responses import JSONResponse, Response
 
         from mixserve.server.protocol import APIError, check_api_key
 
@@ -196,8 +212,9 @@ class Ingress:
         if not more:
             return Response(first, status_code=status, headers=hdrs)
         hdrs.pop("content-length", None)
-        return StreamingResponse(self._rest(first, gen, hdrs.get("content-type", "")), status_code=status,
-                                 headers=hdrs)
+        state = {"done": False}
+        return _relay(self._rest(first, gen, hdrs.get("content-type", ""), state), status, hdrs,
+                      on_close=lambda: state["done"] or gen.cancel())
 
     async def _read_body(self, request) -> bytes:
         from mixserve.server.protocol import APIError
@@ -255,19 +272,18 @@ class Ingress:
                      "retry later", type="server_error", code="replica_unavailable", headers={"Retry-After": "1"})
         return JSONResponse(e.body(), status_code=503, headers=e.headers)
 
-    async def _rest(self, first: bytes, gen, content_type: str):
+    async def _rest(self, first: bytes, gen, content_type: str, state: dict):
         """The answer's remaining pieces; a replica that dies mid-stream ends it with an error
-        event and [DONE] (server-sent events), or just ends it (other bodies)."""
+        event and [DONE] (server-sent events), or just ends it (other bodies). state["done"] is set
+        once the replica's answer has ended (then nothing is left to cancel)."""
         errors = _replica_errors()
-        done = False
         try:
             yield first
             async for item in gen:
                 yield item[1]
                 if not item[2]:
-                    done = True
                     break
-            done = True
+            state["done"] = True
         except errors as e:
             self.stream_errors.inc()
             log.warning("replica died mid-stream: %s", type(e).__name__)
@@ -278,5 +294,5 @@ class Ingress:
                 yield f"data: {json.dumps(err)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
         finally:
-            if not done:
+            if not state["done"]:
                 gen.cancel()

@@ -46,11 +46,12 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft: list[int],
     """
     K = len(draft)
     if K:
-        idx = torch.tensor(draft)
-        rows = torch.arange(K)
+        idx = torch.tensor(draft, device=p.device)
+        rows = torch.arange(K, device=p.device)
         px = p[rows, idx]
         qx = q[rows, idx]
-        u = torch.rand(K, generator=generator)
+        # drawn on the host: a request's generator is a CPU one, so its text is the same on every device
+        u = torch.rand(K, generator=generator, device="cpu").to(p.device)
         # accept iff u * q(x) <= p(x), i.e. u <= p/q without dividing by a tiny q
         ok = (u * qx <= px).tolist()
     else:
@@ -66,6 +67,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, draft: list[int],
         dist = resid / total if total > 0 else p[j]
     else:
         dist = p[K]
+    if generator is not None and dist.device.type != "cpu":
+        dist = dist.cpu()  # the request's generator is a CPU one (see above)
     tok = int(torch.multinomial(dist, 1, generator=generator))
     return j, list(draft[:j]) + [tok]
 
@@ -117,5 +120,5 @@ def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, greed
         noise = torch.stack([exponential_noise(g, logits.shape[1]) for g in generators])
         return accept_coupled(probs_from_logits(logits), draft, noise)
     if q is None and draft:
-        q = torch.nn.functional.one_hot(torch.tensor(draft), logits.shape[1]).float()
+        q = torch.nn.functional.one_hot(torch.tensor(draft, device=logits.device), logits.shape[1]).float()
     return accept_sampled(probs_from_logits(logits), q, draft)
