@@ -1,0 +1,42 @@
+"""benchmarks/gpu_check.py's Python entry on the CPU with a tiny model (issue 20): every section
+runs and records its results, so the script a lent GPU runs once is not dead code."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def test_gpu_check_runs_every_section_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--tiny", "--device", "cpu", "--out", str(out), "--work", str(tmp_path / "models")])
+    summary = json.loads((out / "summary.json").read_text())
+    status = {k: (v["status"], v.get("why")) for k, v in summary["sections"].items()}
+    assert rc == 0 and set(status) == set(gpu_check.SECTIONS), status
+    for name in gpu_check.SECTIONS:  # flushed one file per section
+        assert json.loads((out / f"{name}.json").read_text())["status"] == "ok"
+    eq = summary["sections"]["equality"]
+    assert eq["float32"]["diverged"] == 0 and eq["float32"]["equal"] + eq["float32"]["near_tie"] == eq["prompts"]
+    dec = summary["sections"]["decode"]
+    assert dec["bf16 + cuda graphs"]["tokens_per_s"] > 0 and dec["bf16 + cuda graphs"]["bytes_per_token"] > 0
+    assert "error" not in dec["int4 (RTN g128) + cuda graphs"], dec
+    share = summary["sections"]["sharegpt"]
+    assert share["requests"] == 12 and share["report"]["output_tokens_per_s"] > 0
+    plan = summary["sections"]["plan"]
+    assert plan["probe"]["predicted_output_tokens_per_s"] > 0 and plan["probe"]["error"] is not None
+    assert (out / "probe.json").exists()
+    spec = summary["sections"]["spec"]
+    for name in ("draft = copy of the target, k 4", "n-gram, k 4"):
+        assert spec[name]["same_tokens_as_plain"], name  # greedy speculation changes no token
+    assert spec["draft = copy of the target, k 4"]["acceptance_rate"] == 1.0  # the draft is the target
+
+
+def test_an_unknown_section_is_refused(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--sections", "env,warp"])
+    assert "unknown sections" in capsys.readouterr().err
