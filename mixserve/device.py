@@ -65,18 +65,18 @@ def move_module(module: torch.nn.Module, device: torch.device) -> torch.nn.Modul
 class HostStager:
     """One host-to-device copy of a step's int64 batch metadata.
 
-    `upload(values)` writes the ints into a host tensor (on CUDA: a persistent pinned buffer,
-    grown as needed, so the copy is asynchronous DMA and no page-locking is paid per step) and
-    returns the device tensor [len(values)] int64 that every batch tensor of the step is a view
-    of. Reusing the pinned buffer is safe because each step ends with the device-to-host copy of
-    its sampled ids, which waits for everything queued before it, this copy included.
+    `upload(values)` writes the ints into a host tensor (on CUDA: pinned, from PyTorch's caching
+    host allocator, so the copy is asynchronous DMA) and returns the device tensor [len(values)]
+    int64 that every batch tensor of the step is a view of. The pinned block is not reused until
+    its copy has run: the caching host allocator records the copy's stream event (a step may end
+    without any device-to-host copy, a prefill chunk that samples nothing, so a persistent buffer
+    rewritten per call could be read by a copy still queued).
 
     Args: device: the engine's device.
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self._pinned: torch.Tensor | None = None
         self.num_uploads = 0  # copies made (tests count one per step)
 
     def upload(self, values: list[int]) -> torch.Tensor:
@@ -84,10 +84,4 @@ class HostStager:
         host = torch.tensor(values, dtype=torch.long, device="cpu")
         if self.device.type == "cpu":
             return host
-        n = len(values)
-        if self._pinned is None or self._pinned.numel() < n:
-            size = max(n, 2 * (self._pinned.numel() if self._pinned is not None else 4096))
-            self._pinned = torch.empty(size, dtype=torch.long, device="cpu", pin_memory=True)
-        buf = self._pinned[:n]
-        buf.copy_(host)
-        return buf.to(self.device, non_blocking=True)
+        return host.pin_memory().to(self.device, non_blocking=True)

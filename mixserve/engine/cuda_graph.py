@@ -88,6 +88,7 @@ class CudaGraphDecoder:
         self.pool = None
         self.num_steps = 0
         self.num_captures = 0
+        self.compile_s: dict[str, float] = {}  # DecodeGraph's field, read by describe(): nothing compiled here
 
     def accepts(self, items) -> bool:
         """True for a decode-only batch (one new token per row, each sampled) of at most max_rows."""

@@ -99,7 +99,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         for m in (self.model, draft[1] if draft else None):
             if m is not None and self.device.type != "cpu":
-                m.place(self.device)
+                m.place(self.device, None if args.kernels == "eager" else self.kernels)
             elif hasattr(m, "choose_kernels"):
                 m.choose_kernels(self.kernels)
         self.kernel_choice_s = time.perf_counter() - t1
@@ -520,7 +520,8 @@ class LLMEngine:
                 seq.spec_accepted += j
                 seq.spec_evaluated += j + (j < len(d))
                 self.controller.observe(j, j + (j < len(d)))
-            lps = (self.sampler.logprobs(logits[r:r + len(toks)], torch.tensor(toks), toks, [seq.params] * len(toks))
+            lps = (self.sampler.logprobs(logits[r:r + len(toks)], torch.tensor(toks, device=logits.device), toks,
+                                         [seq.params] * len(toks))
                    if seq.params.logprobs is not None else [None] * len(toks))
             seq.num_computed_tokens = n_before
             texts = []

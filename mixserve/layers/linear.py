@@ -288,8 +288,9 @@ class Int4Linear(nn.Module):
         if device.type != "cuda":
             raise ValueError(f"int4 linear: no int4 layout for device {device}")
         n, k = self.out_features, self.in_features
-        if n % 8 or k % 32:
-            raise ValueError(f"int4 linear: CUDA int4 kernel needs out % 8 == 0 and in % 32 == 0 (got {n}x{k})")
+        if n % 8 or k % 32 or self.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4 linear: the CUDA int4 kernel needs out % 8 == 0, in % 32 == 0 and a group size of "
+                             f"32, 64, 128 or 256 (got {n}x{k}, group {self.group_size})")
         q = self.int_weight().to(torch.int32)
         self.nibbles = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).to(device)
         inner = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
@@ -309,6 +310,9 @@ class Int4Linear(nn.Module):
         return w.view(self.out_features, self.in_features)
 
     def weight_bytes(self) -> int:
+        """Bytes a call reads below `dense_rows`: the kernel's layout (and, off CUDA, the scales)."""
+        if self.kernel == "cuda":  # the nibbles are only read by the dequantize + GEMM path
+            return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_rows,
                                                            self.zero_rows, self.vq, self.vs, self.vm,
                                                            getattr(self, "nibbles", None))
@@ -464,6 +468,34 @@ def int4_candidates(out_features: int, in_features: int, group_size: int, dtype:
 
 
 
+def cuda_int4_candidates(lin: "Int4Linear") -> dict:
+    """Timers for the CUDA `int4_dense_rows` choice of a placed Int4Linear (kernel "cuda"): PyTorch's
+    CUDA int4 kernel against dequantize + cuBLAS GEMM over INT4_ROWS (switch_candidates), each the
+    mean of 10 calls after 2 untimed ones, timed to the end of the GPU's work. The layer's own
+    weights are timed (a GPU's L2 holds a layer: both paths are equally cache-warm)."""
+    import time
+
+    dev = lin.packed.device
+
+    def time_at(r, many):
+        x = torch.randn(r, lin.in_features, device=dev).to(lin.dtype)
+        old = lin.dense_rows
+        lin.dense_rows = 0 if many else None
+        try:
+            with torch.inference_mode():
+                for _ in range(2):
+                    lin(x)
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    lin(x)
+                torch.cuda.synchronize(dev)
+            return (time.perf_counter() - t0) / 10
+        finally:
+            lin.dense_rows = old
+    return switch_candidates(INT4_ROWS, time_at)
+
+
 def float_dense_head_candidates(out_features: int, in_features: int, keep_plain: bool = False) -> dict:
     """Timers for a bf16 DenseLinear LM head's float32 path (`forward_float`): "onednn" and
     "plain" (two passes on the prepacked or plain weight at every row count), "gemv<R>" (the
@@ -522,8 +554,19 @@ def float_int4_head_candidates(lin: "Int4Linear") -> dict:
 def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
     """Set `lin` (DenseLinear, Int4Linear or GGUFLinear) to the kernel `chooser` (kernel_choice.KernelChooser)
     picks for its shape and `dtype`; the one place that names these choices' keys, so the engine
-    and `hw probe` time and run the same kernels. Other modules are left alone."""
+    and `hw probe` time and run the same kernels. Other modules are left alone. On CUDA (a layer
+    already placed there) a dense linear is cuBLAS's and an int4 one gets its measured switch to
+    dequantize + GEMM (key int4_dense_rows/cuda/<GPU>/...)."""
     dt = str(dtype).removeprefix("torch.")
+    if isinstance(lin, Int4Linear) and lin.kernel == "cuda":
+        if lin.dtype == torch.bfloat16:  # float32 models run dequantize + GEMM at every row count
+            gpu = torch.cuda.get_device_name(lin.packed.device).replace(" ", "-")
+            key = f"int4_dense_rows/cuda/{gpu}/{dt}/{lin.out_features}x{lin.in_features}g{lin.group_size}"
+            pick = chooser.choose(key, cuda_int4_candidates(lin), "never")
+            lin.dense_rows = None if pick == "never" else int(pick)
+        return
+    if isinstance(lin, DenseLinear) and lin.weight is not None and lin.weight.is_cuda:
+        return  # cuBLAS: nothing to choose
     if isinstance(lin, gguf_linear.GGUFLinear):
         gguf_linear.choose(lin, chooser)
     elif isinstance(lin, DenseLinear) and lin.float_out and dtype == torch.bfloat16:

@@ -128,11 +128,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.decode_attention = pick
 
-    def place(self, device: torch.device) -> None:
+    def place(self, device: torch.device, chooser=None) -> None:
         """Move the model to a non-CPU device (device.move_module): dense linears run PyTorch's
         kernels there (cuBLAS; float logits via linear.cuda_float_linear), int4 ones its CUDA int4
         kernel, decode attention gathers + SDPA. An int4 LM head becomes its dense dequantization
         in the compute dtype: the CUDA int4 kernel returns bf16, and logits must stay float32.
+        With `chooser` (layers/kernel_choice.KernelChooser) each int4 linear's switch to
+        dequantize + GEMM is measured there (linear.choose_linear_kernel); without, the int4 kernel
+        runs at every row count.
         Raises ValueError for GGUF-native layers (CPU kernels: load with gguf_weights dequantize)."""
         if any(isinstance(m, (GGUFLinear, GGUFEmbedding)) for m in self.modules()):
             raise ValueError(f"device {device}: GGUF-native layers run on the CPU only; load the model with "
@@ -143,8 +146,15 @@ class LlamaForCausalLM(nn.Module):
             head.float_out = True
             self.lm_head = head
         move_module(self, device)
+        # cuBLAS may otherwise reduce split-K partial sums in bf16, and the float32 logits'
+        # second pass (linear.cuda_float_linear) needs float32 accumulation throughout
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         for layer in self.layers:
             layer.decode_attention = "sdpa"
+        if chooser is not None:
+            for m in self.modules():
+                if isinstance(m, Int4Linear) and not m.float_out:
+                    choose_linear_kernel(m, chooser, self.dtype)
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Give each layer its K/V cache tensors [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -116,7 +116,10 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
     if isinstance(lin, DenseLinear):
         lin.keep_plain = head and tied
     if torch.device(device).type != "cpu":
-        return move_module(lin, torch.device(device))
+        if head and isinstance(lin, Int4Linear):  # as LlamaForCausalLM.place: a dense head on the GPU
+            lin = DenseLinear(lin.dense_weight().to(dtype))
+            lin.float_out = True
+        lin = move_module(lin, torch.device(device))
     choose_linear_kernel(lin, chooser, dtype)
     return lin
 

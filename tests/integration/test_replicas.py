@@ -139,22 +139,37 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(cluster):
     assert f'mixserve_router_requests_total{{reason="affinity",replica="{seen[0][0]}"}}' in text
 
 
+def aborted(cluster) -> dict:
+    """{replica name: requests it aborted, all reasons} from the ingress's /metrics."""
+    text = httpx.get(cluster["url"] + "/metrics", timeout=30).text
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "mixserve_request_aborted_total" and "replica" in s.labels:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0) + s.value
+    return out
+
+
 def test_client_disconnect_frees_the_blocks_on_the_replica(cluster):
     body = {"model": NAME, "prompt": SYSTEM + "Write a long story.", "max_tokens": 400, "stream": True,
             "ignore_eos": True}
+    before = aborted(cluster)
     with httpx.stream("POST", cluster["url"] + "/v1/completions", json=body, timeout=60) as r:
         name = r.headers["x-mixserve-replica"]
         for _ in zip(range(5), r.iter_lines()):
             pass
-    # the client is gone after 5 lines: the replica aborts it and frees every block
-    deadline = time.time() + 30
+    # the client is gone after 5 lines: the replica aborts the request (not one that ran to its
+    # end: the abort counter moves) and frees every block
+    deadline = time.time() + 60
     while time.time() < deadline:
         m = replica_metrics(cluster).get(name, {})
-        if m.get("mixserve_kv_cache_blocks_used") == 0 and m.get("mixserve_num_requests_running") == 0:
+        if (m.get("mixserve_kv_cache_blocks_used") == 0 and m.get("mixserve_num_requests_running") == 0
+                and aborted(cluster).get(name, 0) > before.get(name, 0)):
             break
         time.sleep(0.5)
     m = replica_metrics(cluster)[name]
     assert m["mixserve_kv_cache_blocks_used"] == 0 and m["mixserve_num_requests_running"] == 0
+    assert aborted(cluster).get(name, 0) == before.get(name, 0) + 1
 
 
 def test_round_robin_alternates(cluster):
