@@ -8,6 +8,8 @@ measured here, not assumed: the reference's greedy sequences are scored by the n
 (teacher forcing, the kernel at every row count), and the noise is the largest change of the
 reference's top-2 logit gap. The test asserts the native model picks the reference's token wherever
 the reference's gap exceeds that noise, and reports the first greedy divergence and its gap."""
+import os
+
 import pytest
 
 from mixserve import SamplingParams
@@ -28,7 +30,13 @@ def gap(lp) -> float:
     return lp.top[0][1] - lp.top[1][1]
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+# the 1.5B (4 minutes on 2 cores, a 6 GB float32 reference) only where asked for: CI's suite must
+# stay well under 30 minutes, and the 0.5B's file holds more of the block types (Q5_0, Q8_0, Q6_K, Q4_K)
+LARGE = pytest.mark.skipif(not os.environ.get("MIXSERVE_TEST_LARGE"), reason="set MIXSERVE_TEST_LARGE=1 for the 1.5B")
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-coder-0.5b-instruct",
+                                   pytest.param("qwen2.5-coder-1.5b-instruct", marks=LARGE)])
 def test_native_greedy_equals_dequantized_up_to_measured_activation_noise(model):
     from mixserve.data.datasets import load_humaneval
 

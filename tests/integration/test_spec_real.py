@@ -59,7 +59,7 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
                "import json\n\ndef load(path):"]
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize")
-    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def run(mode, ps):
         llm.engine.controller.mode = mode
