@@ -184,8 +184,9 @@ def sec_env(ctx) -> dict:
             kernels[mod] = getattr(m, "__version__", "present")
         except Exception as e:  # noqa: BLE001 -- absent or broken: both are facts to record
             kernels[mod] = f"absent ({type(e).__name__})"
-    kernels["attention_used"] = ("gather + SDPA (layers/attention.gathered_decode_attention, paged prefill: "
-                                 "engine's PyTorch path)" if ctx.device != "cpu" else "CPU kernels")
+    kernels["attention_used"] = ("decode: gather + SDPA (layers/attention.gathered_decode_attention; flash-attn's "
+                                 "paged kernel only with --block-size 256, not used here); prefill: the engine's "
+                                 "paged PyTorch path" if ctx.device != "cpu" else "CPU kernels")
     # the int4 kernel the engine uses here, checked on one small layer against its dequantized weight
     from mixserve.device import move_module
     from mixserve.layers.linear import Int4Linear

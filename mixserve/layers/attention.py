@@ -159,16 +159,43 @@ def gathered_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     index_copy_ each, then every row's blocks gathered through its block table (int64 [B, W], all
     W blocks: padding entries name any block, the mask hides them) and attended with SDPA under a
     mask built on the device from context_lens (int64 [B]). q [B, H, d]. Returns [B, H, d].
-    Plain PyTorch, so it runs (and is tested) on the CPU too."""
+    Plain PyTorch, so it runs (and is tested) on the CPU too. Where flash-attn's paged kernel can
+    read the cache in place (`flash_paged_usable`), it does instead of the gather."""
     num_kv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv, d).index_copy_(0, slot_mapping, v)
+    if flash_paged_usable(k_cache):
+        from flash_attn import flash_attn_with_kvcache
+
+        # its paged layout is ours ([blocks, block_size, kv_heads, d]); the new K/V is already in
+        o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens.to(torch.int32),
+                                    block_table=block_tables.to(torch.int32), softmax_scale=scale, causal=True)
+        return o.squeeze(1)
     kd = k_cache[block_tables].flatten(1, 2)  # [B, W * block_size, kv_heads, d]
     vd = v_cache[block_tables].flatten(1, 2)
     visible = torch.arange(kd.shape[1], device=q.device)[None, :] < context_lens[:, None]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd.transpose(1, 2), vd.transpose(1, 2),
                                        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+_FLASH: list[bool] = []
+
+
+def flash_paged_usable(k_cache: torch.Tensor) -> bool:
+    """True where flash-attn (>= 2.5, `flash_attn_with_kvcache` with `block_table`) is installed and
+    can read this cache: CUDA, fp16/bf16, and a block size that is a multiple of 256 (its paged
+    layout's constraint; mixserve's default block size, 16, is not, so `--block-size 256` opts in)."""
+    if not (k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16) and k_cache.shape[1] % 256 == 0):
+        return False
+    if not _FLASH:
+        try:
+            from flash_attn import flash_attn_with_kvcache  # noqa: F401
+
+            _FLASH.append(True)
+        except Exception:  # noqa: BLE001 -- absent or built for another torch: the PyTorch path
+            _FLASH.append(False)
+    return _FLASH[0]
 
 
 def _decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
