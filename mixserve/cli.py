@@ -218,7 +218,7 @@ def cmd_bench(a) -> int:
                         "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation,
                         "kv_allocator": a.kv_allocator, "reserve": a.reserve,
                         "enable_prefix_caching": eng.args.prefix_caching}
-    report["machine"] = machine_info()
+    report["machine"] = {**machine_info(), "device": _device_name(eng.device)}
     print(format_table(report))
     ex = report["extra"]
     for tag, r in report.get("per_tag", {}).items():
@@ -388,6 +388,15 @@ def _int_list(text: str, what: str) -> list[int]:
     if not xs or min(xs) < 1:
         raise ValueError(f"{what}: expected positive integers, got {text!r}")
     return xs
+
+
+def _device_name(device) -> str:
+    """'cpu', or 'cuda:0 (NVIDIA H200)': what a published result ran on."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def cmd_hw_probe(a) -> int:
@@ -726,8 +735,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-context", type=int, default=2048, help="longest context timed for attention (tokens)")
     p.add_argument("--no-engine-steps", action="store_true",
                    help="skip the real engine steps that measure per-step overhead (overhead then 0)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | auto: where the engine is measured (on a GPU "
-                   "the profile also states its ratio to that GPU's datasheet roofline)")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA where PyTorch sees a GPU, else the CPU) | cpu "
+                   "| cuda[:N]: where the engine is measured (on a GPU the profile also states its ratio to that "
+                   "GPU's datasheet roofline)")
     p.set_defaults(fn=cmd_hw_probe)
 
     p = sub.add_parser("plan", help="simulate the engine over a trace: max rate under an SLO, what each "

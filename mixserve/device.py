@@ -32,7 +32,7 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device: {name!r} asked for, but PyTorch sees no CUDA GPU here "
-                             f"(torch {torch.__version__}); use --device cpu")
+                             f"(torch {torch.__version__}); use device 'cpu' (--device cpu)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device: {name!r}, but only {torch.cuda.device_count()} GPU(s) are visible")
     return dev

@@ -171,7 +171,8 @@ class LLMEngine:
         return self.num_blocks * self.args.block_size
 
     def describe(self) -> str:
-        text = (f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
+        text = (f"device {self.device}; "
+                f"KV cache: {self.num_blocks} blocks x {self.args.block_size} tokens = {self.kv_capacity_tokens} tokens "
                 f"({self.num_blocks * self.block_bytes / 2**20:.0f} MiB, {self.dtype})")
         if self.args.kv_allocator == "contiguous":
             text += f"; contiguous allocation, a region of {self.args.reserve} tokens per sequence"
