@@ -8,8 +8,10 @@ replica that owns an engine (replicas/replica.py) and the ingress (replicas/ingr
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -62,8 +64,13 @@ class ReplicaOptions:
             raise ValueError(f"replicas: must be >= 1 (got {self.num_replicas})")
         if self.routing not in POLICIES:
             raise ValueError(f"routing: one of {', '.join(POLICIES)} (got {self.routing!r})")
-        if self.cpus < 0 or self.gpus < 0 or (self.threads is not None and self.threads < 1):
-            raise ValueError("replica cpus and gpus must be >= 0, threads >= 1")
+        if not (0 <= self.cpus < math.inf and 0 <= self.gpus < math.inf) or (self.threads is not None
+                                                                                and self.threads < 1):
+            raise ValueError(f"replica cpus and gpus must be finite and >= 0, threads >= 1 (got cpus {self.cpus}, "
+                             f"gpus {self.gpus}, threads {self.threads})")
+        if self.max_replicas is not None and self.max_replicas < self.num_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.num_replicas}): "
+                             "replicas is the count started with, within min..max")
         if self.margin < 0 or self.route_blocks < 1 or self.retries < 0:
             raise ValueError("route margin >= 0, route blocks >= 1 and retries >= 0 are required")
         auto = (self.min_replicas, self.max_replicas, self.target_ongoing_requests)
@@ -105,35 +112,50 @@ def _drain_signal_class():
 
         def __init__(self):
             self._set = asyncio.Event()
-            self._waiting = 0  # replicas that waited on it (a dead one stays counted: stop's timeout bounds it)
-            self._drained = 0
+            self._waiting: dict = {}  # replica name -> its actor handle (None: unknown)
+            self._drained: set = set()
+            self._gone: set = set()  # replicas that died (Ray Serve restarts them under new names)
             self._changed = asyncio.Event()
 
-        async def wait(self) -> None:
-            self._waiting += 1
+        async def wait(self, name: str = "", handle=None) -> None:
+            self._waiting[name or f"anon-{len(self._waiting)}"] = handle
             await self._set.wait()
 
         async def set(self) -> None:
             self._set.set()
 
-        async def done(self) -> None:
+        async def done(self, name: str = "") -> None:
             """A replica has drained: its last answers have gone out."""
-            self._drained += 1
+            self._drained.add(name)
             self._changed.set()
 
+        async def _prune_dead(self) -> None:
+            for n, h in list(self._waiting.items()):
+                if h is None or n in self._drained or n in self._gone:
+                    continue
+                try:
+                    await asyncio.wait_for(h.__ray_ready__.remote(), 2.0)
+                except asyncio.TimeoutError:  # alive but busy: it still owes its drain
+                    pass
+                except Exception:  # noqa: BLE001 -- the actor died: it will never report
+                    self._gone.add(n)
+
         async def wait_drained(self, timeout_s: float) -> bool:
-            """Until every replica that waited has drained (True) or timeout_s (False)."""
-            deadline = asyncio.get_running_loop().time() + timeout_s
-            while self._drained < self._waiting:
+            """Until every live replica that waited has drained (True) or timeout_s (False)."""
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while True:
+                await self._prune_dead()
+                if not (set(self._waiting) - self._drained - self._gone):
+                    return True
                 self._changed.clear()
-                left = deadline - asyncio.get_running_loop().time()
+                left = deadline - loop.time()
                 if left <= 0:
                     return False
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
+                try:  # wake at a report, or recheck for dead replicas every second
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
                 except asyncio.TimeoutError:
-                    return False
-            return True
+                    pass
 
     return DrainSignal
 
@@ -214,6 +236,12 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
     for sig, h in handlers.items():
         if h is not None:
             signal.signal(sig, h)
+    if local and opts.gpus > 0:
+        have = ray.cluster_resources().get("GPU", 0)
+        if have < opts.gpus * opts.num_replicas:
+            ray.shutdown()
+            raise ValueError(f"replica_gpus: {opts.num_replicas} replica(s) x {opts.gpus} GPU need "
+                             f"{opts.gpus * opts.num_replicas:g} GPUs; this machine's Ray sees {have:g}")
     from mixserve.replicas.replica import DRAIN_NAMESPACE
 
     _signal = _drain_signal_class().options(name=name, namespace=DRAIN_NAMESPACE).remote()
@@ -265,9 +293,30 @@ def stop(local: bool) -> None:
 def run(engine_args, server_cfg, opts: ReplicaOptions, host: str, port: int, ray_address: str | None) -> int:
     """The command: start, serve until SIGTERM or SIGINT, then drain and stop."""
     done = threading.Event()
+    starting = [True]
+
+    def on_signal(signum, frame):
+        done.set()
+        if starting[0]:  # start() may wait for replicas that never come: stop waiting now
+            raise KeyboardInterrupt(f"signal {signum} during start-up")
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    local = start(engine_args, server_cfg, opts, host, port, ray_address)  # keeps these handlers
+        signal.signal(sig, on_signal)
+    try:
+        local = start(engine_args, server_cfg, opts, host, port, ray_address)  # keeps these handlers
+    except KeyboardInterrupt as e:
+        starting[0] = False
+        print(f"mixserve: {e}: shutting down", flush=True)
+        import ray
+
+        with contextlib.suppress(Exception):
+            from ray import serve
+
+            if ray.is_initialized() and ray_address is None:
+                serve.shutdown()
+        ray.shutdown()
+        return 0
+    starting[0] = False
     print(f"mixserve: {opts.num_replicas} replica(s) of {engine_args.model} behind http://{host}:{port} "
           f"(routing {opts.routing})", flush=True)
     try:

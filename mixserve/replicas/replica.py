@@ -61,7 +61,8 @@ class EngineReplica:
 
         try:
             sig = ray.get_actor(name, namespace=DRAIN_NAMESPACE)
-            await sig.wait.remote()
+            # its handle: the command's drain stops waiting for a replica that has died
+            await sig.wait.remote(self.name, ray.get_runtime_context().current_actor)
         except Exception as e:  # noqa: BLE001 -- the command is gone: Ray's own stop follows
             log.info("replica %s: no drain signal (%s)", self.name, type(e).__name__)
             return
@@ -70,7 +71,7 @@ class EngineReplica:
             await self.app.state.drain(self.grace_s)
         finally:
             with contextlib.suppress(Exception):
-                await sig.done.remote()
+                await sig.done.remote(self.name)
 
     async def handle_http(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                           body: bytes, route_keys: list[int] | None = None, routed: str = ""):
