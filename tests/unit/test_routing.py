@@ -147,3 +147,15 @@ def test_an_unreachable_ray_address_is_refused_at_once():
         srv.listen()
         _check_reachable(f"127.0.0.1:{srv.getsockname()[1]}", timeout_s=2)  # something answers: left to Ray
     _check_reachable("auto")  # Ray finds it
+
+
+def test_replica_resources_and_counts_that_cannot_be_met_are_refused(capsys):
+    from mixserve.cli import main
+
+    # refused before any model is loaded or Ray starts
+    for flags, why in ((["--replica-cpus", "nan"], "finite"), (["--replica-cpus", "inf"], "finite"),
+                       (["--replica-gpus", "nan"], "finite"), (["--replicas", "3", "--max-replicas", "1"],
+                                                                 "max_replicas (1) is below replicas (3)")):
+        args = flags if "--replicas" in flags else ["--replicas", "2", *flags]
+        assert main(["serve", "--model", "/nonexistent.gguf", *args]) == 2
+        assert why in capsys.readouterr().err
