@@ -8,7 +8,6 @@ replica that owns an engine (replicas/replica.py) and the ingress (replicas/ingr
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -214,7 +213,7 @@ def start(engine_args, server_cfg, opts: ReplicaOptions, host: str = "127.0.0.1"
         raise SystemExit(f"serve --replicas needs Ray Serve ({e}): pip install -e '.[ray]'") from None
 
     global _signal, _grace_s
-    _grace_s = opts.grace_s
+    _signal, _grace_s = None, opts.grace_s
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     name = f"drain-{uuid.uuid4().hex[:12]}"
     app = build_app(engine_args, server_cfg, opts, drain_signal=name)
@@ -306,14 +305,15 @@ def run(engine_args, server_cfg, opts: ReplicaOptions, host: str, port: int, ray
         local = start(engine_args, server_cfg, opts, host, port, ray_address)  # keeps these handlers
     except KeyboardInterrupt as e:
         starting[0] = False
-        print(f"mixserve: {e}: shutting down", flush=True)
         import ray
 
-        with contextlib.suppress(Exception):
-            from ray import serve
-
-            if ray.is_initialized() and ray_address is None:
-                serve.shutdown()
+        if _signal is not None and ray.is_initialized():
+            # the application may already answer (its health does before serve.run returns):
+            # drain what runs, as after start-up; replicas still starting hold nothing up
+            print(f"mixserve: {e}: draining", flush=True)
+            stop(ray_address is None)
+            return 0
+        print(f"mixserve: {e}: shutting down", flush=True)
         ray.shutdown()
         return 0
     starting[0] = False
