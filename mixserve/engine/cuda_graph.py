@@ -86,6 +86,7 @@ class CudaGraphDecoder:
         self.static = torch.zeros(4 * R + R * W, dtype=torch.long, device=self.device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (R, W) -> (graph or None, output logits)
         self.pool = None
+        self.outs: dict[int, torch.Tensor] = {}  # rows -> float32 [rows, vocab] logits the graphs write
         self.num_steps = 0
         self.num_captures = 0
         self.compile_s: dict[str, float] = {}  # DecodeGraph's field, read by describe(): nothing compiled here
@@ -124,11 +125,13 @@ class CudaGraphDecoder:
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        if R not in self.outs:  # one logits buffer per row count, shared by its widths' graphs
+            self.outs[R] = torch.empty(R, self.runner.cfg.vocab_size, dtype=torch.float32, device=self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = self._step(R, W)
+            self.outs[R].copy_(self._step(R, W))  # the step's own output dies here: the pool reuses it
         self.num_captures += 1
-        self.graphs[key] = (g, out)
+        self.graphs[key] = (g, self.outs[R])
         return self.graphs[key]
 
     def _fill_padding(self, R: int, W: int) -> None:
