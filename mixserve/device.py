@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-
-
 def resolve_device(name: str | torch.device | None) -> torch.device:
     """The torch.device for `--device`: "auto" (or None) is CUDA when PyTorch sees a GPU, else the
     CPU; "cuda:N" names one GPU. Raises ValueError for another name, or for CUDA where PyTorch

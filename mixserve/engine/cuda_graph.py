@@ -24,11 +24,7 @@ GPU.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger("mixserve")
 
 
 def row_buckets(max_rows: int) -> list[int]:

@@ -168,9 +168,9 @@ class ModelRunner:
     def prepare(self, items: list[BatchItem], block_table=None) -> PreparedBatch:
         """The flat batch for `items`; block_table(seq_id) -> its blocks (default: the block
         manager's). Every int64 tensor of the batch (ids, positions, slot mapping, logits rows,
-        decode groups' block tables and context lengths, chunked prefills' gather slots) is a view
-        of one buffer sent to the device in one copy (device.HostStager); chunked prefills' masks
-        are made on the device from the positions."""
+        decode groups' block tables and context lengths, a later prefill chunk's context blocks) is
+        a view of one buffer sent to the device in one copy (device.HostStager); a later chunk's
+        gather slots and mask are made on the device from its blocks and positions."""
         bs = self.block_size
         block_table = block_table or self.bm.block_table
         # longest context first, so that groups of similar length form (see DecodeGroup)
@@ -198,15 +198,15 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             groups.append((start, end, [b for t in tables for b in t + [0] * (width - len(t))],
                            [it.start + 1 for it in decode[start:end]]))
-        spans = []  # (row0, row1, gather slots or None)
+        spans = []  # (row0, row1, context length, the blocks holding it, or None: a first chunk gathers nothing)
         for it in multi:
             row0 = len(ids)
             ids.extend(it.token_ids[it.start:it.end])
             pos.extend(range(it.start, it.end))
             table = block_table(it.seq_id)
-            ctx = [table[q // bs] * bs + q % bs for q in range(it.end)]
-            slots.extend(ctx[it.start:])
-            spans.append((row0, len(ids), ctx if it.start else None))
+            slots.extend(table[q // bs] * bs + q % bs for q in range(it.start, it.end))
+            # a later chunk reads its whole context: its blocks go up, the slots are made on the device
+            spans.append((row0, len(ids), it.end, table[:-(-it.end // bs)] if it.start else None))
             logit_rows += range(len(ids) - it.num_logits, len(ids))
             if it.score:
                 score_rows += [row0 + q - it.start for q in range(*it.score)]
@@ -214,24 +214,24 @@ class ModelRunner:
         flat = ids + pos + slots + logit_rows
         for _, _, tables, lens in groups:
             flat += tables + lens
-        for _, _, gather in spans:
-            flat += gather or []
+        for *_, blocks in spans:
+            flat += blocks or []
         buf = self.stager.upload(flat)
         views = iter(buf.split([T, T, T, len(logit_rows)]
                                + [n for _, _, t, c in groups for n in (len(t), len(c))]
-                               + [len(g) for _, _, g in spans if g]))
+                               + [len(b) for *_, b in spans if b]))
         input_ids, positions, slot_mapping, logits_indices = (next(views) for _ in range(4))
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=len(decode))
         for start, end, _, lens in groups:
             bt = next(views).view(end - start, -1)
             meta.decode_groups.append(DecodeGroup(start, end, bt, next(views)))
-        for row0, row1, gather in spans:
-            if gather is None:
+        for row0, row1, end, blocks in spans:
+            if blocks is None:
                 meta.prefills.append(PrefillSpan(row0, row1, None, None))
                 continue
-            g = next(views)
-            mask = torch.arange(len(gather), device=buf.device)[None, :] <= positions[row0:row1, None]
-            meta.prefills.append(PrefillSpan(row0, row1, g, mask))
+            q = torch.arange(end, device=buf.device)
+            gather = next(views)[q // bs] * bs + q % bs
+            meta.prefills.append(PrefillSpan(row0, row1, gather, q[None, :] <= positions[row0:row1, None]))
         return PreparedBatch(
             input_ids=input_ids,
             positions=positions,
