@@ -57,6 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
                    help="automatic prefix caching: full KV blocks are kept by content hash and reused by later "
                         "requests with the same prefix (default on; always off with --kv-allocator contiguous)")
+    p.add_argument("--batch-invariant", default=d.batch_invariant, choices=["on", "off"],
+                   help="on: a request's tokens and logprobs do not depend on the rows beside it, its cached "
+                        "prefix, its prompt's chunking or the decode path (one numeric path per weight and row; "
+                        "README 'One request, one answer'); off: the fastest kernel measured at each row count "
+                        "(default %(default)s)")
     p.add_argument("--device", default=d.device,
                    help="auto (CUDA when PyTorch sees a GPU, else the CPU), cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=None,

@@ -86,6 +86,9 @@ class EngineArgs:
         (mixserve/device.py). On CUDA a GGUF model runs dequantized (the native kernels are CPU
         code), dense linears run cuBLAS, int4 ones PyTorch's CUDA int4 kernel, and decode steps
         replay CUDA graphs (engine/cuda_graph.py) unless kernels is "eager".
+    batch_invariant: "on" (the default): a request's logits do not depend on the batch, its cached
+        prefix, its prompt's chunking or the eager / compiled path (layers/batch_invariance.py; on
+        the CPU); "off": the kernels measured fastest at each row count, whose rounding does.
     """
 
     model: str = "qwen2.5-coder-0.5b-instruct"
@@ -110,6 +113,7 @@ class EngineArgs:
     max_scored_prompt_tokens: int = 8192
     enable_prefix_caching: bool = True
     device: str = "auto"
+    batch_invariant: str = "on"
 
     @property
     def prefix_caching(self) -> bool:
@@ -161,6 +165,8 @@ class EngineArgs:
         if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
             raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
                              "use --kv-allocator paged or --draft-model ngram")
+        if self.batch_invariant not in ("on", "off"):
+            raise ValueError(f"batch_invariant: must be on or off (got {self.batch_invariant!r})")
         parse_bytes(self.kv_cache_memory)
         from mixserve.device import resolve_device
 

@@ -94,6 +94,10 @@ class DecodeGraph:
         # ~350 checks a step for the weights alone (~0.5 ms at one row, profiled), for tensors whose
         # shapes are fixed at load; the batch buffers and the caches stay guarded by Dynamo
         opts = {"guard_filter_fn": _weight_guards_dropped, "size_asserts": False, "alignment_asserts": False}
+        if getattr(model, "batch_invariant", False):
+            # eager's bf16 roundings between fused elementwise ops, so a graph's row is an eager row
+            # (layers/batch_invariance.py)
+            opts["emulate_precision_casts"] = True
         self.fn1 = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
         self.fn = torch.compile(_own_function(type(model).decode), dynamic=True, options=opts)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long)

@@ -18,7 +18,7 @@ from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_threads,
                                            parse_overrides)
 from mixserve.kv.contiguous import ContiguousBlockManager
-from mixserve.layers import gguf_linear
+from mixserve.layers import batch_invariance, gguf_linear
 from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
@@ -96,12 +96,22 @@ class LLMEngine:
                                gguf_weights=args.load_gguf_weights)
             check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
             self.draft_cfg = draft[0]
+        # batch invariance (layers/batch_invariance.py) is a CPU mode; where its kernels did not
+        # build the engine says so and runs the measured ones
+        self.batch_invariant = args.batch_invariant == "on" and self.device.type == "cpu"
+        self.invariance_note = "on" if self.batch_invariant else "off"
+        if args.batch_invariant == "on" and self.device.type != "cpu":
+            self.invariance_note = f"off (a CPU mode; not on {self.device.type})"
+        elif self.batch_invariant and batch_invariance.unavailable():
+            self.invariance_note = f"off ({batch_invariance.unavailable()})"
+            log.warning("batch invariance unavailable: %s", batch_invariance.unavailable())
+            self.batch_invariant = False
         t1 = time.perf_counter()
         for m in (self.model, draft[1] if draft else None):
             if m is not None and self.device.type != "cpu":
                 m.place(self.device, None if args.kernels == "eager" else self.kernels)
             elif hasattr(m, "choose_kernels"):
-                m.choose_kernels(self.kernels)
+                m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant)
         self.kernel_choice_s = time.perf_counter() - t1
         # The draft's cache holds as many tokens as the target's, so the budget is split in
         # proportion to their per-token K/V bytes.
@@ -188,6 +198,7 @@ class LLMEngine:
             how = "/".join(sorted({c.source for c in self.kernels.choices.values()}))
             text += "; kernels (" + how + "): " + ", ".join(
                 f"{k} " + " ".join(f"{n} (x{c})" if c > 1 else n for n, c in v.items()) for k, v in picks.items())
+        text += f"; batch invariance {self.invariance_note}"
         text += f"; decode graph: {self.runner.graph_choice}"
         if self.runner.graph is not None and self.runner.graph.compile_s:
             text += " (first calls " + ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.graph.compile_s.items()) + ")"

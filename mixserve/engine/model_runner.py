@@ -173,6 +173,8 @@ class ModelRunner:
         gather slots and mask are made on the device from its blocks and positions."""
         bs = self.block_size
         block_table = block_table or self.bm.block_table
+        if getattr(self.model, "batch_invariant", False):
+            return self._prepare_rows(items, block_table)
         # longest context first, so that groups of similar length form (see DecodeGroup)
         decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
         multi = [it for it in items if it.end - it.start > 1]
@@ -241,6 +243,44 @@ class ModelRunner:
             score_rows=score_rows,
             score_items=[it for it in decode + multi if it.score],
         )
+
+    def _prepare_rows(self, items: list[BatchItem], block_table) -> PreparedBatch:
+        """`prepare` for batch-invariant mode (layers/batch_invariance.py): the same flat batch
+        (decode rows first, longest context first, then prefill chunks), with attention metadata
+        for every row alike (AttentionMetadata.rows): one block table per sequence, and per row
+        that table's index and the row's context (its position + 1). One upload, as `prepare`."""
+        bs = self.block_size
+        decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
+        multi = [it for it in items if it.end - it.start > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        score_rows: list[int] = []
+        tables: list[list[int]] = []
+        row_table: list[int] = []
+        for it in decode + multi:
+            row0 = len(ids)
+            table = block_table(it.seq_id)
+            ids.extend(it.token_ids[it.start:it.end])
+            pos.extend(range(it.start, it.end))
+            slots.extend(table[q // bs] * bs + q % bs for q in range(it.start, it.end))
+            row_table.extend([len(tables)] * (it.end - it.start))
+            tables.append(table[:-(-it.end // bs)])
+            logit_rows += range(len(ids) - it.num_logits, len(ids))
+            if it.score:
+                score_rows += [row0 + q - it.start for q in range(*it.score)]
+        T = len(ids)
+        width = max(len(t) for t in tables)
+        flat = ids + pos + slots + logit_rows + row_table + [b for t in tables for b in t + [0] * (width - len(t))]
+        buf = self.stager.upload(flat)
+        input_ids, positions, slot_mapping, logits_indices, rt, tab = buf.split(
+            [T, T, T, len(logit_rows), T, width * len(tables)])
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode=len(decode),
+                                 rows=(tab.view(len(tables), width), rt, positions + 1))
+        return PreparedBatch(input_ids=input_ids, positions=positions, meta=meta, logits_indices=logits_indices,
+                             items=[it for it in decode + multi if it.num_logits], score_rows=score_rows,
+                             score_items=[it for it in decode + multi if it.score])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate K/V of src blocks into dst blocks in every layer."""

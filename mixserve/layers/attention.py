@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from mixserve.layers.paged_decode import available as paged_available, paged_decode
+from mixserve.layers.paged_decode import available as paged_available, paged_decode, paged_rows
 
 
 @dataclass
@@ -43,12 +43,17 @@ class AttentionMetadata:
     num_decode: the first `num_decode` rows of the batch are decode rows (one query each).
     decode_groups: decode rows in groups of similar context length, each attended in one call.
     prefills: spans for the remaining rows.
+    rows: batch-invariant mode (layers/batch_invariance.py): (tables int64 [S, W], row_table int64
+        [T], context_lens int64 [T]) for every row of the batch, decode and prefill alike: row t
+        attends to positions 0..context_lens[t]-1 of its sequence's table tables[row_table[t]], by
+        the paged kernel (`paged_decode.paged_rows`); decode_groups and prefills are then empty.
     """
 
     slot_mapping: torch.Tensor
     num_decode: int = 0
     decode_groups: list["DecodeGroup"] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -118,6 +123,8 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv, v_cache.shape[-1])
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    if meta.rows is not None:  # one kernel for every row: what a row gets does not depend on the batch
+        return paged_rows(q, k_cache, v_cache, *meta.rows, scale)
 
     out = torch.empty_like(q)
     nd = meta.num_decode

@@ -353,15 +353,18 @@ def float_head_candidates(lin: GGUFLinear) -> dict:
     return switch_candidates(FLOAT_HEAD_ROWS, time_at)
 
 
-def choose(lin: GGUFLinear, chooser) -> None:
+def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
     """Set `lin`'s prefetch distances and row switch to the chooser's picks (measured once per
-    machine and cached, layers/kernel_choice.py)."""
+    machine and cached, layers/kernel_choice.py); switches=False (batch-invariant mode) leaves
+    the row switches off: the int8-activation kernel at every row count."""
     dt = str(lin.dtype).removeprefix("torch.")
     for p in lin.parts:
         p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
                                         prefetch_candidates(p, lin.dtype), "0"))
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}"
-    if lin.float_out:
+    if not switches:
+        lin.dense_rows = lin.float_dense_rows = None
+    elif lin.float_out:
         pick = chooser.choose(f"float_head_rows/gguf/{shape}", float_head_candidates(lin), "never")
         lin.float_dense_rows = None if pick == "never" else int(pick)
     else:

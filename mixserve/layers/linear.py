@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers import bf16_gemv, gguf_linear, graph_ops, int4_vnni
+from mixserve.layers import bf16_gemv, gguf_linear, graph_ops, int4_vnni, invariant_linear
 from mixserve.layers.int4_dequant import _unpack_int4pack_cpu, dequantize_int4pack, scratch
 from mixserve.layers.kernel_choice import (FLOAT_HEAD_ROWS, geomean, rotating_copies, switch_candidates,
                                            time_calls)
@@ -29,8 +29,10 @@ class DenseLinear(nn.Module):
     (F.linear, PyTorch's eager path, the default), "onednn" (the weight reordered once into
     oneDNN's blocked layout, as Inductor does for frozen CPU linears; on a Zen 5 it was 1.37x
     F.linear at 1 row, on the AVX-512/AMX Xeon 0.87x) or "gemv" (bf16 only, where AVX512-BF16
-    exists: layers/bf16_gemv.py for up to bf16_gemv.MAX_ROWS rows, F.linear above). Only one copy
-    of the weight is resident.
+    exists: layers/bf16_gemv.py for up to bf16_gemv.MAX_ROWS rows, F.linear above); or
+    "invariant" (layers/invariant_linear.py: each row computed alike at any row count, float32
+    accumulation rounded once; the batch-invariant mode's, layers/batch_invariance.py). Only one
+    copy of the weight is resident.
 
     float_out (set on an LM head): the result is float32 whatever the weight's dtype, the product
     of the bf16 operands with float32 accumulation left unrounded (`forward_float`).
@@ -52,18 +54,23 @@ class DenseLinear(nn.Module):
         self.keep_plain = False
 
     def set_impl(self, impl: str) -> None:
-        """Switch kernel: "plain", "onednn" or "gemv"; a kernel that cannot take this weight
-        (oneDNN off, not bf16, no AVX512-BF16) leaves it on "plain". Raises ValueError for
-        another name."""
-        if impl not in ("plain", "onednn", "gemv"):
-            raise ValueError(f"dense linear: unknown kernel {impl!r} (plain, onednn or gemv)")
+        """Switch kernel: "plain", "onednn", "gemv" or "invariant"; a kernel that cannot take this
+        weight (oneDNN off, not bf16, no AVX512-BF16, no AVX2) leaves it on "plain". Raises
+        ValueError for another name."""
+        if impl not in ("plain", "onednn", "gemv", "invariant"):
+            raise ValueError(f"dense linear: unknown kernel {impl!r} (plain, onednn, gemv or invariant)")
         if impl == self.impl:
             return
         if self.packed is not None:
             self.weight = self.weight if self.weight is not None else self.packed.to_dense()
             self.packed = None
         self.impl = "plain"
-        if impl == "gemv" and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
+        if impl == "invariant" and self.weight.dtype in (torch.float32, torch.bfloat16) \
+                and self.weight.device.type == "cpu" and invariant_linear.available():
+            self.weight, self.impl = self.weight.contiguous(), "invariant"
+            if self.bias is not None:
+                self._bias_f32 = self.bias.float().contiguous()
+        elif impl == "gemv" and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
                 and bf16_gemv.available():
             self.weight, self.impl = self.weight.contiguous(), "gemv"
         elif impl == "onednn" and _can_prepack(self.weight):
@@ -91,7 +98,10 @@ class DenseLinear(nn.Module):
         there two oneDNN passes, y = bf16(xW + b) + bf16(xW + b - bf16(xW + b)), the second one
         adding the first's negation to its float32 accumulator before rounding, so the sum keeps
         about 16 significant bits (error ~1e-4 on a logit of 20). Which is cheaper at which rows
-        is measured (`float_dense_head_candidates`). Without oneDNN: a float32 copy of W per call."""
+        is measured (`float_dense_head_candidates`). Without oneDNN: a float32 copy of W per call.
+        The "invariant" kernel returns its float32 accumulator as is."""
+        if self.impl == "invariant":
+            return invariant_linear.linear(x, self.weight, self._bias_f32 if self.bias is not None else None)
         if self.dense_weight_dtype() == torch.float32:
             return self._forward(x).float()
         x2 = x.reshape(-1, self.in_features)
@@ -113,6 +123,9 @@ class DenseLinear(nn.Module):
         return self.weight.dtype if self.weight is not None else self.packed.dtype
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "invariant":
+            y = invariant_linear.linear(x, self.weight, self._bias_f32 if self.bias is not None else None)
+            return y.to(x.dtype)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # Inductor cannot lower oneDNN's op on our own packed weight
                 return graph_ops.onednn_linear(x, self.packed, self.bias, self.out_features)
@@ -242,6 +255,7 @@ class Int4Linear(nn.Module):
         self.vq = self.vs = self.vm = None
         self.float_out = False
         self.float_dense_rows: int | None = None  # float_out: rows from which float32 dequant + GEMM run
+        self.invariant = False  # batch-invariant mode: the float32 head's GEMM is invariant_linear's
 
     def set_kernel(self, kernel: str) -> None:
         """Few-row kernel: "torch" (PyTorch's int4 kernel, the default) or "vnni" (int8 activations
@@ -364,6 +378,8 @@ class Int4Linear(nn.Module):
             y = int4_vnni.int4_vnni_matmul(x2, self.vq, self.vs, self.vm, self.group_size, levels=3)
         elif self.kernel == "vnni":
             y = int4_vnni.linear_f32(x2, self.vq, self.vs, self.vm, self.group_size)
+        elif self.invariant and x2.device.type == "cpu":
+            y = invariant_linear.linear(x2, self.float_weight())
         else:
             y = F.linear(x2, self.float_weight())
         if self.bias is not None:
@@ -551,12 +567,15 @@ def float_int4_head_candidates(lin: "Int4Linear") -> dict:
     return switch_candidates(FLOAT_HEAD_ROWS, time_at)
 
 
-def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
+def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype, invariant: bool = False) -> None:
     """Set `lin` (DenseLinear, Int4Linear or GGUFLinear) to the kernel `chooser` (kernel_choice.KernelChooser)
     picks for its shape and `dtype`; the one place that names these choices' keys, so the engine
     and `hw probe` time and run the same kernels. Other modules are left alone. On CUDA (a layer
     already placed there) a dense linear is cuBLAS's and an int4 one gets its measured switch to
-    dequantize + GEMM (key int4_dense_rows/cuda/<GPU>/...)."""
+    dequantize + GEMM (key int4_dense_rows/cuda/<GPU>/...). invariant (batch-invariant mode,
+    layers/batch_invariance.py): only the choices that leave a row's numerics alone at every row
+    count are timed (a GGUF weight's prefetch, an int4 layer's few-row kernel); dense kernels and
+    row switches are that mode's."""
     dt = str(dtype).removeprefix("torch.")
     if isinstance(lin, Int4Linear) and lin.kernel == "cuda":
         if lin.dtype == torch.bfloat16:  # float32 models run dequantize + GEMM at every row count
@@ -567,8 +586,10 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
         return
     if isinstance(lin, DenseLinear) and lin.weight is not None and lin.weight.is_cuda:
         return  # cuBLAS: nothing to choose
+    if invariant and isinstance(lin, DenseLinear):
+        return
     if isinstance(lin, gguf_linear.GGUFLinear):
-        gguf_linear.choose(lin, chooser)
+        gguf_linear.choose(lin, chooser, switches=not invariant)
     elif isinstance(lin, DenseLinear) and lin.float_out and dtype == torch.bfloat16:
         n, k = lin.out_features, lin.in_features
         tied = "/tied" if lin.keep_plain else ""
@@ -589,6 +610,8 @@ def choose_linear_kernel(lin: nn.Module, chooser, dtype: torch.dtype) -> None:
             lin.set_kernel("vnni")
         else:
             lin.set_kernel(chooser.choose(f"int4_kernel/{dt}/{shape}", int4_kernel_candidates(n, k, g, dtype), "torch"))
+        if invariant:
+            return
         if lin.float_out:  # forward_float has its own switch; dense_rows is never read
             if lin.kernel == "vnni":
                 pick = chooser.choose(f"float_head_rows/{dt}/{shape}/vnni/l3", float_int4_head_candidates(lin),

@@ -32,14 +32,15 @@ static inline void load_row(const T* src, float* dst, int64_t d) {
 
 // q [B, H, d]; caches [NB, bs, Hkv, d]; tables [B, M] int64; lens [B] int64; out [B, H, d]
 template <typename T>
-static void run(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
-                int64_t B, int64_t H, int64_t Hkv, int64_t d, int64_t bs, int64_t M, float scale) {
+static void run(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_table,
+                const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t d, int64_t bs, int64_t M,
+                float scale) {
   const int64_t g = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(g * d), acc(g * d), row(d), s;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hkv, kh = t % Hkv, L = lens[b];
-      const int64_t* tab = tables + b * M;
+      const int64_t* tab = tables + (row_table ? row_table[b] : b) * M;
       for (int64_t j = 0; j < g; ++j) load_row(q + (b * H + kh * g + j) * d, qf.data() + j * d, d);
       s.assign(g * L, 0.f);
       for (int64_t p = 0; p < L; ++p) {
@@ -80,26 +81,37 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables, con
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale) {
+// row_table empty: row b reads table row b; else int64 [B], the table row of each query row (the
+// rows of one prefill chunk share their sequence's table)
+torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                         torch::Tensor row_table, torch::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.is_contiguous() && k_cache.is_contiguous() &&
               v_cache.is_contiguous(), "paged_decode: contiguous q [B, H, d] and caches [NB, bs, Hkv, d]");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.is_contiguous(),
-              "paged_decode: int64 block tables and lengths");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.is_contiguous() &&
+              lens.is_contiguous(), "paged_decode: int64 block tables and lengths");
   const int64_t B = q.size(0), H = q.size(1), d = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == d && tables.size(0) == B && lens.size(0) == B,
+  const bool indirect = row_table.numel() > 0;
+  TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == d && lens.size(0) == B && (indirect || tables.size(0) == B),
               "paged_decode: shapes do not agree");
+  TORCH_CHECK(!indirect || (row_table.scalar_type() == at::kLong && row_table.is_contiguous() && row_table.numel() == B),
+              "paged_decode: row_table int64 [B]");
+  const int64_t* rt = indirect ? row_table.data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, Hkv,
-                      d, bs, tables.size(1), (float)scale);
+                      tables.data_ptr<int64_t>(), rt, lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H,
+                      Hkv, d, bs, tables.size(1), (float)scale);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode: float32 or bfloat16");
     run<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-               lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, d, bs, tables.size(1), (float)scale);
+               rt, lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv, d, bs, tables.size(1), (float)scale);
   }
   return out;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, double scale) {
+  return paged_rows(q, k_cache, v_cache, tables, torch::empty({0}, tables.options()), lens, scale);
 }
 
 // the decode step's whole attention in one op: each row's new k/v written at its slot, then
@@ -129,7 +141,7 @@ _fake_registered = False
 
 def _load():
     global _fake_registered
-    mod = build_extension("mixserve_paged_decode_v3", _SRC, ["paged_decode"])
+    mod = build_extension("mixserve_paged_decode_v4", _SRC, ["paged_decode", "paged_rows"])
     if mod is not None and not _fake_registered:
         # shapes for tracing (torch.compile): the output is q's
         torch.library.register_fake("mixserve::paged_decode_attention")(
@@ -175,3 +187,17 @@ def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     _load()
     return torch.ops.mixserve.paged_decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
                                                      context_lens, scale)
+
+
+def paged_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               row_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_decode` for query rows that share block tables: row b reads table row row_table[b]
+    (int64 [B]) of tables (int64 [S, max_blocks]) over positions 0..context_lens[b]-1. A prefill
+    chunk's rows are query rows of one sequence, each with its own context (its position + 1):
+    they get exactly the arithmetic a decode row at that position gets (batch-invariant mode,
+    layers/batch_invariance.py). Returns [B, H, d]. Raises RuntimeError as paged_decode."""
+    mod = _load()
+    if mod is None:
+        raise RuntimeError("paged_decode: the C++ kernel is not available on this machine")
+    return mod.paged_rows(q.contiguous(), k_cache, v_cache, tables.contiguous(), row_table.contiguous(),
+                          context_lens.contiguous(), float(scale))

@@ -6,6 +6,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@torch.library.custom_op("mixserve::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm.forward's eager arithmetic as one dispatcher op: opaque to torch.compile, so a
+    compiled decode graph normalizes with exactly the eager reduction (Inductor's own fused
+    reduction rounds the mean of squares differently: batch-invariant mode, layers/batch_invariance.py)."""
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps) over the last dim.
 
@@ -17,7 +30,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.opaque = False  # batch-invariant mode: the same op in eager steps and compiled graphs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.opaque:
+            return torch.ops.mixserve.rms_norm(x, self.weight, self.eps)
         # one fused op for x * rsqrt(mean(x^2) + eps) in float32 instead of five
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)

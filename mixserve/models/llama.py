@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixserve.layers import batch_invariance
 from mixserve.layers.attention import (AttentionMetadata, choose_decode_kernel, gathered_decode_attention,
                                        paged_attention)
 from mixserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear, GGUFWeight
@@ -116,13 +117,20 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, Int4Linear):
             self.lm_head.set_kernel("vnni")  # the layout with a float32-output path (where it builds)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
+        self.batch_invariant = False  # layers/batch_invariance.apply sets it (read by the model runner)
 
-    def choose_kernels(self, chooser: KernelChooser) -> None:
+    def choose_kernels(self, chooser: KernelChooser, batch_invariant: bool = False) -> None:
         """Set every linear's and the decode attention's kernel to the chooser's pick for this
         model's shapes and dtype (measured once per machine, layers/kernel_choice.py). Until this
-        is called the model runs PyTorch's eager kernels."""
+        is called the model runs PyTorch's eager kernels. batch_invariant: only the choices that
+        keep a row's numerics the same at every row count are timed, then every layer is put on
+        its batch-invariant path (layers/batch_invariance.py; RuntimeError where a kernel of it
+        did not build)."""
         for m in self.modules():
-            choose_linear_kernel(m, chooser, self.dtype)
+            choose_linear_kernel(m, chooser, self.dtype, invariant=batch_invariant)
+        if batch_invariant:
+            batch_invariance.apply(self)
+            return
         c = self.cfg
         pick = choose_decode_kernel(chooser, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
         for layer in self.layers:

@@ -1,0 +1,99 @@
+"""One request, one answer (shared/cases/seeded-output-depends-on-batch.md): on real models with the
+default engine (native GGUF where the CPU has the kernel, the kernels chosen here, the compiled
+decode graph), a request's tokens and logprobs are bitwise the same alone and beside 1, 7 or 40
+others, with a cached or a computed prefix, prefilled whole or in chunks, on the eager or the
+compiled path, and with logprobs asked or not. Each pair below failed before batch invariance
+(layers/batch_invariance.py); the pairs through the server are in test_server_invariance.py."""
+import pytest
+
+from mixserve import SamplingParams
+from mixserve.llm import LLM
+
+pytestmark = pytest.mark.integration
+
+P = "The capital of France is"
+NEIGHBOURS = ["Write a short poem about the sea:", "def fibonacci(n):", "List three colors:",
+              "Translate to German: good morning", "Once upon a time", "import numpy as np\n",
+              "The best way to learn Python is", "SELECT * FROM"]
+ENGINE = dict(kv_cache_memory="256MiB", max_model_len=1024, progress=False)
+
+
+def seeded(logprobs=2):
+    return SamplingParams(temperature=0.8, seed=42, max_tokens=16, ignore_eos=True, logprobs=logprobs)
+
+
+def key(out):
+    """Tokens and every logprob bit of one output."""
+    return out.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in out.logprobs]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen05"])
+def llm(request):
+    from mixserve.models.registry import pull
+
+    name = {"smollm2": "smollm2-135m-instruct", "qwen05": "qwen2.5-coder-0.5b-instruct"}[request.param]
+    return LLM(str(pull(name, progress=False)), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    return key(llm.generate([P], seeded())[0])
+
+
+@pytest.mark.parametrize("others", [1, 7, 40])
+def test_seeded_alone_and_in_a_batch(llm, alone, others):
+    """Beside `others` requests (8 and 41 rows cross the measured row switches and the 1-row graph)."""
+    free = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    prompts = [P] + [NEIGHBOURS[i % len(NEIGHBOURS)] + " " * (i // len(NEIGHBOURS)) for i in range(others)]
+    outs = llm.generate(prompts, [seeded()] + [free] * others)
+    assert key(outs[0]) == alone
+
+
+def test_greedy_alone_and_in_a_batch(llm):
+    g = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    one = key(llm.generate([P], g)[0])
+    batch = llm.generate([P] + NEIGHBOURS * 2, [g] * 17)
+    assert key(batch[0]) == one
+
+
+def test_cached_and_computed_prefix(llm):
+    """The same prompt with its first blocks from the prefix cache (a neighbour's prompt shared
+    them) and computed in full (a salt keeps the cache from serving it)."""
+    system = "You are a helpful assistant who answers in one short sentence. " * 4
+    first = llm.generate([system + "Name a fruit."], seeded())[0]
+    cached = llm.generate([system + P], seeded())[0]
+    computed = llm.engine
+    rid = computed.add_request(system + P, seeded(), cache_salt="fresh")
+    out = None
+    while out is None:
+        for o in computed.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    assert cached.metrics["cached_tokens"] >= 16 and out.metrics["cached_tokens"] == 0
+    assert first.token_ids  # the neighbour ran
+    assert key(cached) == key(out)
+
+
+def test_chunked_and_whole_prefill(llm):
+    """A 200-token prompt prefilled in one step and in 48-token chunks (another engine's budget)."""
+    prompt = " ".join(["alpha beta gamma delta"] * 50)
+    whole = key(llm.generate([prompt], seeded())[0])
+    model = llm.engine.args.model
+    chunked = LLM(model, max_num_batched_tokens=48, enable_prefix_caching=False, **ENGINE)
+    assert key(chunked.generate([prompt], seeded())[0]) == whole
+
+
+def test_eager_and_compiled(llm, alone):
+    """The eager path (--kernels eager: no graph, no measured choice) against the default one."""
+    eager = LLM(llm.engine.args.model, kernels="eager", **ENGINE)
+    assert key(eager.generate([P], seeded())[0]) == alone
+    outs = eager.generate([P] + NEIGHBOURS[:7], [seeded()] * 8)
+    assert key(outs[0]) == alone
+
+
+def test_logprobs_asked_or_not(llm, alone):
+    plain = SamplingParams(temperature=0.8, seed=42, max_tokens=16, ignore_eos=True)
+    assert llm.generate([P], plain)[0].token_ids == alone[0]
+    top5 = llm.generate([P], seeded(logprobs=5))[0]
+    assert top5.token_ids == alone[0]
+    assert [lp.logprob for lp in top5.logprobs] == [lp[1] for lp in alone[1]]

@@ -1,0 +1,124 @@
+"""Batch invariance (layers/batch_invariance.py) on kernels and tiny models made here: every row is
+computed the same way whatever the batch, so a request's tokens and logprobs are bitwise the same
+alone, in a batch, chunked, from a cached prefix, speculated or not, eager or compiled."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixserve import SamplingParams
+from mixserve.layers import batch_invariance, invariant_linear
+from mixserve.layers.paged_decode import paged_decode, paged_rows
+from mixserve.llm import LLM
+from tests.unit.test_engine_tiny import VOCAB, make_tiny
+
+pytestmark = pytest.mark.skipif(batch_invariance.unavailable() is not None,
+                                reason=f"batch invariance unavailable: {batch_invariance.unavailable()}")
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(37, 64), (96, 67), (300, 896)])
+def test_invariant_linear_rows_do_not_depend_on_the_row_count(wdtype, n, k):
+    torch.manual_seed(0)
+    w = (torch.randn(n, k) * 0.1).to(wdtype)
+    b = torch.randn(n)
+    x = torch.randn(70, k)
+    full = invariant_linear.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (full.double() - ref).abs().max() < 1e-4
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 33, 64):
+        for start in (0, 70 - m):  # the row's place in its tile of 4 and in the call
+            got = invariant_linear.linear(x[start:start + m], w, b)
+            assert torch.equal(got, full[start:start + m]), (m, start)
+
+
+def test_dense_linear_invariant_kernel_float_head():
+    from mixserve.layers.linear import DenseLinear
+
+    torch.manual_seed(1)
+    lin = DenseLinear((torch.randn(128, 64) * 0.1).to(torch.bfloat16))
+    lin.float_out = True
+    lin.set_impl("invariant")
+    assert lin.impl == "invariant"
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y[3:4], lin(x[3:4]))
+    lin.float_out = False
+    assert lin(x).dtype == torch.bfloat16
+
+
+def test_paged_rows_prefill_rows_equal_decode_rows():
+    """A chunk's query rows through paged_rows get exactly what decode rows at those positions
+    get from paged_decode, whatever the chunking and the rows beside them."""
+    torch.manual_seed(2)
+    bs, kvh, h, d, L = 16, 2, 4, 32, 70
+    nb = 12
+    kc, vc = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    table = torch.tensor([[7, 3, 9, 1, 5]])
+    q = torch.randn(L, h, d)
+    lens = torch.arange(1, L + 1)
+    whole = paged_rows(q, kc, vc, table, torch.zeros(L, dtype=torch.long), lens, 0.125)
+    for t in (0, 15, 16, 69):
+        one = paged_decode(q[t:t + 1], kc, vc, table, lens[t:t + 1], 0.125)
+        assert torch.equal(one, whole[t:t + 1])
+    two = torch.cat([table, torch.tensor([[2, 4, 6, 8, 10]])])
+    mixed = paged_rows(torch.cat([q[20:40], q[:5]]), kc, vc, two, torch.tensor([0] * 20 + [1] * 5),
+                       torch.cat([lens[20:40], lens[:5]]), 0.125)
+    assert torch.equal(mixed[:20], whole[20:40])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("bi"), "llama", tie=True)[0]
+
+
+def _ids(n, seed, lo=5, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _key(o):
+    return o.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.logprobs]
+
+
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, logprobs=3)
+FREE = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_request_is_the_same_in_any_batch(tiny, dtype):
+    llm = LLM(tiny, **{**ENGINE, "dtype": dtype})
+    assert llm.engine.batch_invariant and "batch invariance on" in llm.engine.describe()
+    p = _ids(1, 0, 30, 30)[0]
+    alone = _key(llm.generate([p], SEEDED)[0])
+    for others in (1, 7, 40):
+        outs = llm.generate([p] + _ids(others, others), [SEEDED] + [FREE] * others)
+        assert _key(outs[0]) == alone, others
+
+
+def test_tiny_chunked_cached_and_speculated_prefills_agree(tiny):
+    p = _ids(1, 3, 100, 100)[0]
+    whole = LLM(tiny, **ENGINE)
+    ref = _key(whole.generate([p], SEEDED)[0])
+    again = whole.generate([p], SEEDED)[0]  # its first 96 tokens now come from the prefix cache
+    assert again.metrics["cached_tokens"] >= 96 and _key(again) == ref
+    chunked = LLM(tiny, max_num_batched_tokens=24, **ENGINE)
+    assert _key(chunked.generate([p], SEEDED)[0]) == ref
+    eager = LLM(tiny, kernels="eager", **ENGINE)
+    assert _key(eager.generate([p], SEEDED)[0]) == ref
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = whole.generate([p], greedy)[0].token_ids
+    for k in (1, 4):  # verification rows (k + 1 of them) against decode rows: no tie allowance
+        spec = LLM(tiny, draft_model="ngram", speculation="fixed", num_speculative_tokens=k, **ENGINE)
+        assert spec.generate([p], greedy)[0].token_ids == plain
+
+
+def test_tiny_off_mode_runs_and_is_said(tiny):
+    llm = LLM(tiny, batch_invariant="off", **ENGINE)
+    assert not llm.engine.batch_invariant and "batch invariance off" in llm.engine.describe()
+    assert len(llm.generate([_ids(1, 5)[0]], SEEDED)[0].token_ids) == 20
+    with pytest.raises(ValueError, match="batch_invariant"):
+        LLM(tiny, batch_invariant="maybe", **ENGINE)
