@@ -12,6 +12,10 @@ from mixserve.layers.kernel_choice import parse_overrides
 from mixserve.models.loader import is_awq_folder
 
 _DEFAULT_KV_MEMORY = "1GiB"
+# the kernel choices batch invariance fixes (layers/batch_invariance.py), with the one an override
+# may still name (None: none; the invariant kernels are no candidate of the measured choice)
+INVARIANT_CHOICES = {"dense_linear": None, "float_head": None, "decode_attention": "paged",
+                     "int4_dense_rows": "never", "gguf_dense_rows": "never", "float_head_rows": "never"}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -175,5 +179,14 @@ class EngineArgs:
                              "use --gguf-weights dequantize or --device cpu")
         if self.kernels != "auto":
             parse_overrides(self.kernels)
+            if self.batch_invariant == "on":
+                for part in filter(None, (p.strip() for p in self.kernels.split(","))):
+                    k, _, v = part.partition("=")
+                    kind = k.strip().split("/")[0]
+                    fixed = INVARIANT_CHOICES.get(kind)
+                    if part != "eager" and kind in INVARIANT_CHOICES and v.strip() != fixed:
+                        raise ValueError(f"kernels: {part!r} picks a kernel that batch invariance fixes"
+                                         f"{f' ({kind}={fixed})' if fixed else ''}; add --batch-invariant off to "
+                                         "choose it")
 
 

@@ -51,25 +51,31 @@ def apply(model: nn.Module) -> None:
     batch-invariant path: dense linears on the invariant GEMM, the int4 / GGUF row switches off,
     attention on the paged kernel for every row (model.batch_invariant = True, read by the model
     runner). Raises RuntimeError where `unavailable()` says why not."""
-    from mixserve.layers.gguf_linear import GGUFLinear
-    from mixserve.layers.linear import DenseLinear, Int4Linear
     from mixserve.layers.rmsnorm import RMSNorm
 
     why = unavailable()
     if why:
         raise RuntimeError(f"batch invariance: {why}")
     for m in model.modules():
-        if isinstance(m, DenseLinear):
-            m.set_impl("invariant")
-        elif isinstance(m, Int4Linear):
-            m.dense_rows = None
-            m.float_dense_rows = None
-            m.invariant = True
-        elif isinstance(m, GGUFLinear):
-            m.dense_rows = None
-            m.float_dense_rows = None
-        elif isinstance(m, RMSNorm):
+        apply_linear(m)
+        if isinstance(m, RMSNorm):
             m.opaque = True
     for layer in getattr(model, "layers", []):
         layer.decode_attention = "paged"
     model.batch_invariant = True
+
+
+def apply_linear(m: nn.Module) -> None:
+    """One linear (DenseLinear, Int4Linear, GGUFLinear; other modules are left alone) on its
+    batch-invariant path, as `apply` puts a model's (also what `hw probe` times, so the planner
+    costs the kernels the engine runs). The caller has checked `unavailable()`."""
+    from mixserve.layers.gguf_linear import GGUFLinear
+    from mixserve.layers.linear import DenseLinear, Int4Linear
+
+    if isinstance(m, DenseLinear):
+        m.set_impl("invariant")
+    elif isinstance(m, Int4Linear):
+        m.dense_rows = m.float_dense_rows = None
+        m.invariant = True
+    elif isinstance(m, GGUFLinear):
+        m.dense_rows = m.float_dense_rows = None

@@ -99,6 +99,7 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
     tied: a dense head whose plain weight the embedding holds. On CUDA the linear is moved there
     as the engine places a model (LlamaForCausalLM.place): cuBLAS for bf16, PyTorch's CUDA int4
     kernel for int4; the CPU kernel choice does not apply."""
+    from mixserve.layers import batch_invariance
     from mixserve.layers.gguf_linear import NATIVE_TYPES, GGUFLinear, random_weight
     from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 
@@ -120,7 +121,11 @@ def _make_linear(fmt: str, out_f: int, in_f: int, dtype, group_size: int, choose
             lin = DenseLinear(lin.dense_weight().to(dtype))
             lin.float_out = True
         lin = move_module(lin, torch.device(device))
-    choose_linear_kernel(lin, chooser, dtype)
+    # the engine's default on the CPU is batch invariance (layers/batch_invariance.py): its kernels
+    invariant = torch.device(device).type == "cpu" and batch_invariance.unavailable() is None
+    choose_linear_kernel(lin, chooser, dtype, invariant=invariant)
+    if invariant:
+        batch_invariance.apply_linear(lin)
     return lin
 
 

@@ -97,3 +97,21 @@ def test_logprobs_asked_or_not(llm, alone):
     top5 = llm.generate([P], seeded(logprobs=5))[0]
     assert top5.token_ids == alone[0]
     assert [lp.logprob for lp in top5.logprobs] == [lp[1] for lp in alone[1]]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+def test_qwen05_speculative_greedy_equals_plain_outright(qwen05_path, draft):
+    """Verification runs k + 1 rows where plain decoding runs one: with one numeric path per row,
+    speculative greedy equals plain greedy with no tie allowance (the draft here is the model itself,
+    so every proposal is accepted and the verification rows carry the whole text)."""
+    from mixserve.data.datasets import load_humaneval
+
+    llm = LLM(qwen05_path, draft_model="ngram" if draft == "ngram" else qwen05_path, speculation="fixed",
+              num_speculative_tokens=4, **ENGINE)
+    prompts = [r.prompt for r in load_humaneval(2)] + ["Repeat exactly: 霓虹灯 🎉👩‍💻 naïve café"]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    spec = llm.generate(prompts, sp)
+    llm.engine.controller.mode = "off"
+    plain = llm.generate(prompts, sp)
+    assert [key(o) for o in spec] == [key(o) for o in plain]
+    assert sum(o.metrics["spec_accepted"] for o in spec) > 0

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from mixserve import SamplingParams
-from mixserve.layers import gguf_kernels
+from mixserve.layers import gguf_kernels, gguf_linear
 from mixserve.llm import LLM
 
 # some machines of the same size have no AVX-512 at all (an AMD EPYC VM showing only AVX2): the
@@ -66,10 +66,12 @@ def test_native_greedy_equals_dequantized_up_to_measured_activation_noise(model)
         d = next((j for j, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), None)
         report.append("equal" if d is None else f"first divergence at token {d}, reference top-2 gap "
                                                 f"{gap(r.logprobs[d]):.4f}")
-        if d is not None:  # greedy may part only at a near-tie of this size
-            assert gap(r.logprobs[d]) < noise, (model, d, gap(r.logprobs[d]), noise)
-    # int8 activations move a logit gap by a few hundredths, not by whole units; away from near-ties
-    # the native model's top token is the reference's
+        if d is not None:  # greedy may part only at a near-tie (the tie rule's 0.01, or the noise)
+            assert gap(r.logprobs[d]) < max(0.01, noise), (model, d, gap(r.logprobs[d]), noise)
+    # two int8 levels per activation row (gguf_linear.ACT_LEVELS) move a logit gap by about a
+    # thousandth (emulated: 0.001 on these 128 positions; one level: 0.137)
+    if gguf_linear.ACT_LEVELS >= 2:
+        assert noise < 0.05, noise
     assert noise < 0.5, noise
     assert sum(agree) >= 0.95 * len(agree), (sum(agree), len(agree))
     print(f"{model}: activation noise (max change of the top-2 gap) {noise:.4f}; teacher-forced top-1 "

@@ -49,16 +49,20 @@ def _capture(engine, into: dict):
     engine.logits_hook = hook
 
 
-def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path):
-    """bf16: a (k+1)-row verification forward and a 1-row decode step round the body's activations
-    differently, so their logits differ by a small noise; speculative greedy may then leave plain
-    greedy only where plain's top-2 gap is within that noise. The noise is measured here: the same
-    prefixes scored both ways (each prompt alone, and the batch of 4), as the change of the gap
-    between plain's top two tokens; the near-tie threshold is its largest value."""
+@pytest.mark.parametrize("invariant", ["on", "off"])
+def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant):
+    """bf16, --batch-invariant off: a (k+1)-row verification forward and a 1-row decode step round
+    the body's activations differently, so their logits differ by a small noise; speculative greedy
+    may then leave plain greedy only where plain's top-2 gap is within that noise. The noise is
+    measured here: the same prefixes scored both ways (each prompt alone, and the batch of 4), as
+    the change of the gap between plain's top two tokens; the near-tie threshold is its largest
+    value. With batch invariance on (the default) there is no noise: every logit is the same bits
+    both ways, and speculative greedy is plain greedy outright."""
     prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
                "import json\n\ndef load(path):"]
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
-              num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize")
+              num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
+              batch_invariant=invariant)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def run(mode, ps):
@@ -86,6 +90,10 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
           f"{threshold:.4f} (median {med(gap_changes):.4f}); max |logit diff| over the vocabulary max "
           f"{max(logit_diffs):.4f} (median {med(logit_diffs):.4f}); plain's median top-2 gap {med(gaps):.4f}")
     assert accepted > 0 and len(gap_changes) > 100
+    if invariant == "on":
+        assert max(logit_diffs) == 0.0
+        assert [o.token_ids for o in batch["spec"]] == [o.token_ids for o in batch["plain"]]
+        return
     assert 0 < threshold < med(gaps)  # the noise exists, and excuses only near-ties
     same = 0
     for s, p in zip(batch["spec"], batch["plain"]):

@@ -172,8 +172,9 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
     of several sizes), for each kernel against the eager one; int4 with the dequantize path from 4
     rows against the int4 kernel at every row count."""
     folder, _ = tiny
+    # the measured kernels and their row switches: batch invariance off (it fixes them)
     common = dict(dtype="float32", kv_cache_memory="8MiB", block_size=8, progress=False, quantization=quant,
-                  quant_group_size=32)
+                  quant_group_size=32, batch_invariant="off")
     eager = LLM(folder, kernels="eager", **common)
     fast = LLM(folder, kernels=kernels + (",int4_dense_rows=4" if quant else ""), **common)
     if quant:
@@ -198,8 +199,10 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
 
 def test_engine_describes_its_kernels(tiny):
     folder, _ = tiny
+    with pytest.raises(ValueError, match="batch invariance fixes"):
+        LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels="dense_linear=onednn")
     llm = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False,
-              kernels="dense_linear=onednn,decode_attention=bmm")
+              kernels="dense_linear=onednn,decode_attention=bmm", batch_invariant="off")
     text = llm.engine.describe()
     assert "override" in text and "dense_linear onednn" in text and "decode_attention bmm" in text
     assert all(getattr(m, "impl", "onednn") == "onednn" for m in llm.engine.model.modules())
