@@ -271,7 +271,7 @@ class ModelRunner:
             if it.score:
                 score_rows += [row0 + q - it.start for q in range(*it.score)]
         T = len(ids)
-        width = max(len(t) for t in tables)
+        width = max((len(t) for t in tables), default=1)
         flat = ids + pos + slots + logit_rows + row_table + [b for t in tables for b in t + [0] * (width - len(t))]
         buf = self.stager.upload(flat)
         input_ids, positions, slot_mapping, logits_indices, rt, tab = buf.split(
