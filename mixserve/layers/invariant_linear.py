@@ -166,6 +166,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     -> float32 [..., out], each row computed by the same operations whatever the row count
     (module docstring). The caller has checked `available()`. Raises RuntimeError (from the op)
     for other dtypes or shapes."""
+    if "mod" not in _state:  # registers the op (the engine has loaded it at start)
+        _load()
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
     b = bias.float().contiguous() if bias is not None else None
     y = torch.ops.mixserve.inv_linear(x2, weight, b)
