@@ -179,7 +179,10 @@ class EngineArgs:
                              "use --gguf-weights dequantize or --device cpu")
         if self.kernels != "auto":
             parse_overrides(self.kernels)
-            if self.batch_invariant == "on":
+            from mixserve.device import resolve_device
+
+            # a CPU mode: on CUDA the measured choices (int4_dense_rows/cuda/...) stay the user's
+            if self.batch_invariant == "on" and resolve_device(self.device).type == "cpu":
                 for part in filter(None, (p.strip() for p in self.kernels.split(","))):
                     k, _, v = part.partition("=")
                     kind = k.strip().split("/")[0]

@@ -65,6 +65,20 @@ def apply(model: nn.Module) -> None:
     model.batch_invariant = True
 
 
+def clear(model: nn.Module) -> None:
+    """Undo `apply`'s flags (a model reused by an engine with the mode off); the linears' kernels
+    are then set again by the kernel choice."""
+    from mixserve.layers.linear import Int4Linear
+    from mixserve.layers.rmsnorm import RMSNorm
+
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.opaque = False
+        elif isinstance(m, Int4Linear):
+            m.invariant = False
+    model.batch_invariant = False
+
+
 def apply_linear(m: nn.Module) -> None:
     """One linear (DenseLinear, Int4Linear, GGUFLinear; other modules are left alone) on its
     batch-invariant path, as `apply` puts a model's (also what `hw probe` times, so the planner

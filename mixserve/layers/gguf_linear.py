@@ -7,6 +7,7 @@ or more such parts stacked along the output (a fused q/k/v whose parts have diff
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -32,9 +33,10 @@ SCRATCH_MAX_ELEMENTS = 32 << 20
 # two levels (the residual of the first quantized again) moved it by at most 0.001, under the 0.01 tie
 # rule (emulated in PyTorch on this project's AVX2 EPYC, BENCHMARKS.md "One request, one answer").
 # MIXSERVE_GGUF_ACT_LEVELS=1 gives llama.cpp's activations back.
-ACT_LEVELS = int(os.environ.get("MIXSERVE_GGUF_ACT_LEVELS", "2"))
-if not 1 <= ACT_LEVELS <= 4:
-    raise ValueError(f"MIXSERVE_GGUF_ACT_LEVELS: must be 1..4 (got {ACT_LEVELS})")
+_LEVELS_ENV = os.environ.get("MIXSERVE_GGUF_ACT_LEVELS", "2")
+ACT_LEVELS = int(_LEVELS_ENV) if _LEVELS_ENV in ("1", "2", "3", "4") else 2
+if _LEVELS_ENV != str(ACT_LEVELS):
+    logging.getLogger("mixserve").warning("MIXSERVE_GGUF_ACT_LEVELS=%r is not 1-4: using 2", _LEVELS_ENV)
 
 
 def _steps(q: np.ndarray, group: int) -> list[np.ndarray]:

@@ -127,7 +127,12 @@ torch::Tensor inv_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   }
   auto y = torch::empty({M, N}, x.options());
 #ifdef INV_AVX2
-  if (M == 0) return y;
+  if (M == 0 || N == 0) return y;
+  if (K == 0) {  // an empty sum: the bias alone
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y.data_ptr<float>()[m * N + n] = b ? b[n] : 0.f;
+    return y;
+  }
   if (w.scalar_type() == at::kFloat) run(x.data_ptr<float>(), w.data_ptr<float>(), b, y.data_ptr<float>(), M, N, K);
   else run(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), b, y.data_ptr<float>(), M, N, K);
 #else
@@ -148,7 +153,7 @@ _state: dict = {}
 def _load():
     # a dispatcher op, so a captured decode graph calls it without a graph break
     if "mod" not in _state:
-        mod = build_extension("mixserve_inv_linear_v1", _SRC, ["available"])
+        mod = build_extension("mixserve_inv_linear_v2", _SRC, ["available"])
         if mod is not None:
             torch.library.register_fake("mixserve::inv_linear")(
                 lambda x, w, b: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))

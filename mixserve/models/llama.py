@@ -126,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         keep a row's numerics the same at every row count are timed, then every layer is put on
         its batch-invariant path (layers/batch_invariance.py; RuntimeError where a kernel of it
         did not build)."""
+        if not batch_invariant:
+            batch_invariance.clear(self)
         for m in self.modules():
             choose_linear_kernel(m, chooser, self.dtype, invariant=batch_invariant)
         if batch_invariant:

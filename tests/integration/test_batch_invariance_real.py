@@ -84,8 +84,18 @@ def test_chunked_and_whole_prefill(llm):
 
 
 def test_eager_and_compiled(llm, alone):
-    """The eager path (--kernels eager: no graph, no measured choice) against the default one."""
+    """The eager path (--kernels eager: no graph, no measured choice) against the compiled graph
+    (the default engine's where this machine chose it, else one forced to it)."""
+    graph = llm.engine.runner.graph
+    if graph is None:
+        forced = LLM(llm.engine.args.model, kernels="decode_graph=compiled", **ENGINE)
+        graph = forced.engine.runner.graph
+        assert key(forced.generate([P], seeded())[0]) == alone
+    steps = graph.num_steps
+    assert key(llm.generate([P], seeded())[0]) == alone
+    assert graph.num_steps > steps or llm.engine.runner.graph is None
     eager = LLM(llm.engine.args.model, kernels="eager", **ENGINE)
+    assert eager.engine.runner.graph is None
     assert key(eager.generate([P], seeded())[0]) == alone
     outs = eager.generate([P] + NEIGHBOURS[:7], [seeded()] * 8)
     assert key(outs[0]) == alone

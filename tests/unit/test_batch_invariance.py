@@ -31,6 +31,8 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(wdtype, n, k):
         for start in (0, 70 - m):  # the row's place in its tile of 4 and in the call
             got = invariant_linear.linear(x[start:start + m], w, b)
             assert torch.equal(got, full[start:start + m]), (m, start)
+    assert torch.equal(invariant_linear.linear(torch.randn(3, 0), w[:, :0].contiguous(), b), b.expand(3, n))
+    assert invariant_linear.linear(x[:0], w, b).shape == (0, n)
 
 
 def test_dense_linear_invariant_kernel_float_head():
@@ -101,14 +103,15 @@ def test_tiny_request_is_the_same_in_any_batch(tiny, dtype):
 
 def test_tiny_chunked_cached_and_speculated_prefills_agree(tiny):
     p = _ids(1, 3, 100, 100)[0]
-    whole = LLM(tiny, **ENGINE)
+    whole = LLM(tiny, kernels="decode_graph=compiled", **ENGINE)
     ref = _key(whole.generate([p], SEEDED)[0])
     again = whole.generate([p], SEEDED)[0]  # its first 96 tokens now come from the prefix cache
     assert again.metrics["cached_tokens"] >= 96 and _key(again) == ref
     chunked = LLM(tiny, max_num_batched_tokens=24, **ENGINE)
     assert _key(chunked.generate([p], SEEDED)[0]) == ref
+    assert whole.engine.runner.graph.num_steps > 0  # the decode steps above ran the compiled graph
     eager = LLM(tiny, kernels="eager", **ENGINE)
-    assert _key(eager.generate([p], SEEDED)[0]) == ref
+    assert eager.engine.runner.graph is None and _key(eager.generate([p], SEEDED)[0]) == ref
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = whole.generate([p], greedy)[0].token_ids
     for k in (1, 4):  # verification rows (k + 1 of them) against decode rows: no tie allowance
