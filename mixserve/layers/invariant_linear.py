@@ -173,7 +173,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     for other dtypes or shapes."""
     if "mod" not in _state:  # registers the op (the engine has loaded it at start)
         _load()
-    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    x2 = x.reshape(rows, x.shape[-1]).float().contiguous()  # reshape(-1, 0) cannot infer the rows
     b = bias.float().contiguous() if bias is not None else None
     y = torch.ops.mixserve.inv_linear(x2, weight, b)
     return y.view(*x.shape[:-1], weight.shape[0])
