@@ -2,6 +2,7 @@
 size and dtype values."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from mixserve.layers.kernel_choice import parse_overrides
 from mixserve.models.loader import is_awq_folder
 
 _DEFAULT_KV_MEMORY = "1GiB"
-# the kernel choices batch invariance fixes (layers/batch_invariance.py), with the one an override
+# the kernel choices batch invariance pins (layers/batch_invariance.py), with the one an override
 # may still name (None: none; the invariant kernels are no candidate of the measured choice)
 INVARIANT_CHOICES = {"dense_linear": None, "float_head": None, "decode_attention": "paged",
                      "int4_dense_rows": "never", "gguf_dense_rows": "never", "float_head_rows": "never"}
@@ -179,17 +180,23 @@ class EngineArgs:
                              "use --gguf-weights dequantize or --device cpu")
         if self.kernels != "auto":
             parse_overrides(self.kernels)
-            from mixserve.device import resolve_device
+        # a CPU mode: on CUDA the measured choices (int4_dense_rows/cuda/...) stay the user's
+        if self.batch_invariant == "on" and resolve_device(self.device).type == "cpu":
+            if self.kernels != "auto":
+                check_invariant_overrides(self.kernels, "kernels")
+            else:  # the chooser reads the environment's overrides when the flag gives none
+                check_invariant_overrides(os.environ.get("MIXSERVE_KERNELS", ""), "MIXSERVE_KERNELS")
 
-            # a CPU mode: on CUDA the measured choices (int4_dense_rows/cuda/...) stay the user's
-            if self.batch_invariant == "on" and resolve_device(self.device).type == "cpu":
-                for part in filter(None, (p.strip() for p in self.kernels.split(","))):
-                    k, _, v = part.partition("=")
-                    kind = k.strip().split("/")[0]
-                    fixed = INVARIANT_CHOICES.get(kind)
-                    if part != "eager" and kind in INVARIANT_CHOICES and v.strip() != fixed:
-                        raise ValueError(f"kernels: {part!r} picks a kernel that batch invariance fixes"
-                                         f"{f' ({kind}={fixed})' if fixed else ''}; add --batch-invariant off to "
-                                         "choose it")
+
+def check_invariant_overrides(text: str, source: str) -> None:
+    """Raise ValueError for an override in `text` ("KEY=NAME,...", as --kernels) that picks a
+    kernel batch invariance pins (INVARIANT_CHOICES); `source` names where it came from."""
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        k, _, v = part.partition("=")
+        kind = k.strip().split("/")[0]
+        fixed = INVARIANT_CHOICES.get(kind)
+        if part != "eager" and kind in INVARIANT_CHOICES and v.strip() != fixed:
+            raise ValueError(f"{source}: {part!r} picks a kernel that batch invariance pins"
+                             f"{f' (only {kind}={fixed})' if fixed else ''}; add --batch-invariant off to choose it")
 
 

@@ -98,14 +98,14 @@ class LLMEngine:
             self.draft_cfg = draft[0]
         # batch invariance (layers/batch_invariance.py) is a CPU mode; where its kernels did not
         # build the engine says so and runs the measured ones
-        self.batch_invariant = args.batch_invariant == "on" and self.device.type == "cpu"
-        self.invariance_note = "on" if self.batch_invariant else "off"
-        if args.batch_invariant == "on" and self.device.type != "cpu":
-            self.invariance_note = f"off (a CPU mode; not on {self.device.type})"
-        elif self.batch_invariant and batch_invariance.unavailable():
-            self.invariance_note = f"off ({batch_invariance.unavailable()})"
-            log.warning("batch invariance unavailable: %s", batch_invariance.unavailable())
-            self.batch_invariant = False
+        why_not = None
+        if args.batch_invariant == "on":
+            why_not = (f"a CPU mode; not on {self.device.type}" if self.device.type != "cpu"
+                       else batch_invariance.unavailable())
+            if why_not and self.device.type == "cpu":
+                log.warning("batch invariance unavailable: %s", why_not)
+        self.batch_invariant = args.batch_invariant == "on" and why_not is None
+        self.invariance_note = "on" if self.batch_invariant else f"off ({why_not})" if why_not else "off"
         t1 = time.perf_counter()
         for m in (self.model, draft[1] if draft else None):
             if m is not None and self.device.type != "cpu":

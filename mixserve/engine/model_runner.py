@@ -173,11 +173,11 @@ class ModelRunner:
         gather slots and mask are made on the device from its blocks and positions."""
         bs = self.block_size
         block_table = block_table or self.bm.block_table
-        if getattr(self.model, "batch_invariant", False):
-            return self._prepare_rows(items, block_table)
         # longest context first, so that groups of similar length form (see DecodeGroup)
         decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
         multi = [it for it in items if it.end - it.start > 1]
+        if getattr(self.model, "batch_invariant", False):
+            return self._prepare_rows(decode, multi, block_table)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -244,21 +244,14 @@ class ModelRunner:
             score_items=[it for it in decode + multi if it.score],
         )
 
-    def _prepare_rows(self, items: list[BatchItem], block_table) -> PreparedBatch:
+    def _prepare_rows(self, decode: list[BatchItem], multi: list[BatchItem], block_table) -> PreparedBatch:
         """`prepare` for batch-invariant mode (layers/batch_invariance.py): the same flat batch
-        (decode rows first, longest context first, then prefill chunks), with attention metadata
+        (`decode` rows, longest context first, then the `multi`-token chunks), with attention metadata
         for every row alike (AttentionMetadata.rows): one block table per sequence, and per row
         that table's index and the row's context (its position + 1). One upload, as `prepare`."""
         bs = self.block_size
-        decode = sorted((it for it in items if it.end - it.start == 1), key=lambda it: -it.start)
-        multi = [it for it in items if it.end - it.start > 1]
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        score_rows: list[int] = []
+        ids, pos, slots, logit_rows, score_rows, row_table = [], [], [], [], [], []
         tables: list[list[int]] = []
-        row_table: list[int] = []
         for it in decode + multi:
             row0 = len(ids)
             table = block_table(it.seq_id)

@@ -375,6 +375,16 @@ class Sampler:
         return token_logprobs(raw, tokens, token_list, [p.logprobs for p in params])
 
 
+def _ties_by_id(row: torch.Tensor, kth: float, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """`top` (a row's k best (token id, logprob), its last one tied with the next) with the tie at
+    its k-th value `kth` settled by the lower token ids: which tied ids a topk of more than k
+    returns depends on that k, so otherwise a row's alternatives would depend on the largest n in
+    the batch. row: float32 [V] logprobs. Returns k (token id, logprob) pairs."""
+    tied = (row == kth).nonzero().squeeze(1).tolist()  # ascending ids
+    keep = [t for t in top if t[1] > kth]
+    return keep + [(t, kth) for t in tied[:len(top) - len(keep)]]
+
+
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
                    n_tops: list[int | None]) -> list[TokenLogprobs | None]:
     """TokenLogprobs of `tokens` [N] (int64; token_list the same ids) under `raw` logits [N, V]
@@ -393,8 +403,16 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int
     if n_top > 0:
         top_v, top_i = lp.topk(n_top, dim=-1)
         top_v_list, top_i_list = top_v.tolist(), top_i.tolist()
+        # each row's k-th value, and how many of the row's logprobs equal it: more than its top k
+        # holds means topk chose among ties, a choice that depends on the batch's largest n
+        ks = torch.tensor([min(n_tops[i] or 1, n_top) for i in rows], device=lp.device)
+        kth = top_v.gather(1, (ks - 1).unsqueeze(1))
+        tied = (lp == kth).sum(-1).tolist()
     for j, i in enumerate(rows):
-        k = n_tops[i]
+        k = min(n_tops[i] or 0, raw.shape[1])
         top = list(zip(top_i_list[j][:k], top_v_list[j][:k])) if k else []
+        if k and tied[j] > sum(v == top_v_list[j][k - 1] for _, v in top):
+            top = _ties_by_id(lp[j], top_v_list[j][k - 1], top)
+        top.sort(key=lambda t: (-t[1], t[0]))  # equal logprobs in id order, not topk's
         result[i] = TokenLogprobs(token_id=token_list[i], logprob=tok_lp_list[j], rank=int(ranks[j]), top=top)
     return result

@@ -21,7 +21,9 @@ found, and what this mode does about it:
   the paged kernel (`paged_decode.paged_rows`) over exactly its own context in block order;
 - the compiled decode graph: Inductor's fused RMSNorm reduces the squares in another order than
   eager's, and in bf16 its fused elementwise code keeps float32 intermediates that eager rounds.
-  Here RMSNorm is one opaque op (`rmsnorm.rms_norm_op`, eager's arithmetic) in both, and the
+  (and in float32 its SwiGLU product rounds the last I mod 16 columns of a row unlike eager's scalar
+  tail). Here RMSNorm and SiLU(gate) x up are opaque ops (`rmsnorm.rms_norm_op`, `silu_mul_op`,
+  eager's arithmetic) in both, and the
   graph is compiled with Inductor's `emulate_precision_casts` (eager's roundings), so the 1-row
   graph, the many-row graph and the eager step give the same bits (engine/decode_graph.py).
 
@@ -62,6 +64,7 @@ def apply(model: nn.Module) -> None:
             m.opaque = True
     for layer in getattr(model, "layers", []):
         layer.decode_attention = "paged"
+        layer.opaque_mlp = True
     model.batch_invariant = True
 
 
@@ -76,6 +79,8 @@ def clear(model: nn.Module) -> None:
             m.opaque = False
         elif isinstance(m, Int4Linear):
             m.invariant = False
+    for layer in getattr(model, "layers", []):
+        layer.opaque_mlp = False
     model.batch_invariant = False
 
 

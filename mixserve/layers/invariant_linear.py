@@ -117,8 +117,9 @@ bool available() {
 
 torch::Tensor inv_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "inv_linear: x float32 [M, K] contiguous");
-  TORCH_CHECK((w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.dim() == 2 && w.is_contiguous()
-              && w.size(1) == x.size(1), "inv_linear: w float32/bfloat16 [N, K] contiguous");
+  TORCH_CHECK((w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.dim() == 2 && w.is_contiguous(),
+              "inv_linear: w float32/bfloat16 [N, K] contiguous");
+  TORCH_CHECK(w.size(1) == x.size(1), "inv_linear: x has ", x.size(1), " input channels, w ", w.size(1));
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -153,7 +154,7 @@ _state: dict = {}
 def _load():
     # a dispatcher op, so a captured decode graph calls it without a graph break
     if "mod" not in _state:
-        mod = build_extension("mixserve_inv_linear_v2", _SRC, ["available"])
+        mod = build_extension("mixserve_inv_linear_v3", _SRC, ["available"])
         if mod is not None:
             torch.library.register_fake("mixserve::inv_linear")(
                 lambda x, w, b: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))

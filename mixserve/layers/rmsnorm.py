@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019), computed in float32 like the reference implementations."""
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 like the reference implementations; and the
+opaque ops batch invariance puts in eager steps and compiled graphs alike (RMSNorm, SwiGLU's product)."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,19 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 @rms_norm_op.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("mixserve::silu_mul", mutates_args=())
+def silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's F.silu(gate) * up (Shazeer 2020) as one dispatcher op with eager's arithmetic, gate
+    and up [..., I] of one dtype -> [..., I]: opaque to torch.compile, whose vectorized loop rounds
+    the last I mod 16 columns unlike eager's scalar tail (batch-invariant mode, layers/batch_invariance.py)."""
+    return F.silu(gate) * up
+
+
+@silu_mul_op.register_fake
+def _(gate, up):
+    return torch.empty_like(gate)
 
 
 class RMSNorm(nn.Module):

@@ -42,6 +42,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = lin("mlp.down_proj")
         self.scale = cfg.head_dim ** -0.5
         self.decode_attention = "sdpa"  # LlamaForCausalLM.choose_kernels may pick another
+        self.opaque_mlp = False  # batch-invariant mode: SwiGLU's product as one op (rmsnorm.silu_mul_op)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -66,7 +67,8 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        act = torch.ops.mixserve.silu_mul(gate, up) if self.opaque_mlp else F.silu(gate) * up
+        return x + self.down_proj(act)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -125,3 +125,40 @@ def test_tiny_off_mode_runs_and_is_said(tiny):
     assert len(llm.generate([_ids(1, 5)[0]], SEEDED)[0].token_ids) == 20
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM(tiny, batch_invariant="maybe", **ENGINE)
+
+
+def test_top_alternatives_at_exact_ties_do_not_depend_on_the_batch():
+    """token_logprobs runs one topk at the batch's largest n: among exactly tied logprobs the ids it
+    returns depend on that n, so ties at a row's k-th value are settled by the lower token id."""
+    from mixserve.engine.sampler import token_logprobs
+
+    torch.manual_seed(3)
+    row = torch.randn(64)
+    row[[5, 9, 17, 30, 41]] = row.max() + 1  # five exact ties at the top
+    raw = torch.stack([row, torch.randn(64)])
+    tok = torch.tensor([0, 0])
+    alone = token_logprobs(raw[:1], tok[:1], [0], [3])[0].top
+    beside = token_logprobs(raw, tok, [0, 0], [3, 20])[0].top
+    assert alone == beside and [t for t, _ in alone] == [5, 9, 17]
+    assert token_logprobs(raw[:1], tok[:1], [0], [6])[0].top[:5] == [(t, alone[0][1]) for t in (5, 9, 17, 30, 41)]
+
+
+def test_compiled_graph_equals_eager_at_an_odd_mlp_width(tmp_path):
+    """An MLP width that is not a multiple of 16: Inductor's SwiGLU loop rounds the last columns
+    unlike eager's scalar tail, unless the product is the opaque op (rmsnorm.silu_mul_op)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.3, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).float().eval().save_pretrained(tmp_path / "odd")
+    p = _ids(1, 2, 16, 16)[0]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    compiled = LLM(str(tmp_path / "odd"), kernels="decode_graph=compiled", max_num_batched_tokens=16, **ENGINE)
+    alone = _key(compiled.generate([p], sp)[0])
+    assert compiled.engine.runner.graph.num_steps > 0
+    beside = compiled.generate([p, _ids(1, 5, 200, 200)[0]], [sp, SamplingParams(temperature=0, max_tokens=1)])[0]
+    assert _key(beside) == alone  # its decode steps shared with a chunked prefill run eagerly
+    eager = LLM(str(tmp_path / "odd"), kernels="eager", **ENGINE)
+    assert _key(eager.generate([p], sp)[0]) == alone

@@ -199,7 +199,7 @@ def test_fast_path_equals_eager_path(tiny, kernels, quant):
 
 def test_engine_describes_its_kernels(tiny):
     folder, _ = tiny
-    with pytest.raises(ValueError, match="batch invariance fixes"):
+    with pytest.raises(ValueError, match="batch invariance pins"):
         LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels="dense_linear=onednn")
     llm = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False,
               kernels="dense_linear=onednn,decode_attention=bmm", batch_invariant="off")
