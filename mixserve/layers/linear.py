@@ -45,6 +45,7 @@ class DenseLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
         self.packed = None
+        self.inv_packed = None  # "invariant": the weight in invariant_linear's panel layout
         self.weight = weight
         self.impl = "plain"
         self.float_out = False
@@ -64,10 +65,14 @@ class DenseLinear(nn.Module):
         if self.packed is not None:
             self.weight = self.weight if self.weight is not None else self.packed.to_dense()
             self.packed = None
+        if self.inv_packed is not None:
+            self.weight = self.dense_weight()
+            self.inv_packed = None
         self.impl = "plain"
         if impl == "invariant" and self.weight.dtype in (torch.float32, torch.bfloat16) \
                 and self.weight.device.type == "cpu" and invariant_linear.available():
-            self.weight, self.impl = self.weight.contiguous(), "invariant"
+            self.inv_packed, self.impl = invariant_linear.pack(self.weight), "invariant"
+            self.weight = self.weight.contiguous() if self.keep_plain else None
             if self.bias is not None:
                 self._bias_f32 = self.bias.float().contiguous()
         elif impl == "gemv" and self.weight.dtype == torch.bfloat16 and self.weight.device.type == "cpu" \
@@ -84,7 +89,11 @@ class DenseLinear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor."""
-        return self.weight if self.weight is not None else self.packed.to_dense()
+        if self.weight is not None:
+            return self.weight
+        if self.inv_packed is not None:
+            return invariant_linear.unpack(self.inv_packed, self.out_features)
+        return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_out:
@@ -101,7 +110,8 @@ class DenseLinear(nn.Module):
         is measured (`float_dense_head_candidates`). Without oneDNN: a float32 copy of W per call.
         The "invariant" kernel returns its float32 accumulator as is."""
         if self.impl == "invariant":
-            return invariant_linear.linear(x, self.weight, self._bias_f32 if self.bias is not None else None)
+            return invariant_linear.linear(x, self.inv_packed, self.out_features,
+                                           self._bias_f32 if self.bias is not None else None)
         if self.dense_weight_dtype() == torch.float32:
             return self._forward(x).float()
         x2 = x.reshape(-1, self.in_features)
@@ -120,11 +130,14 @@ class DenseLinear(nn.Module):
 
     def dense_weight_dtype(self) -> torch.dtype:
         """The weight's dtype, whichever form (plain or prepacked) holds it."""
-        return self.weight.dtype if self.weight is not None else self.packed.dtype
+        if self.weight is not None:
+            return self.weight.dtype
+        return (self.inv_packed if self.inv_packed is not None else self.packed).dtype
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "invariant":
-            y = invariant_linear.linear(x, self.weight, self._bias_f32 if self.bias is not None else None)
+            y = invariant_linear.linear(x, self.inv_packed, self.out_features,
+                                        self._bias_f32 if self.bias is not None else None)
             return y.to(x.dtype)
         if self.packed is not None:
             if torch.compiler.is_compiling():  # Inductor cannot lower oneDNN's op on our own packed weight
@@ -379,7 +392,7 @@ class Int4Linear(nn.Module):
         elif self.kernel == "vnni":
             y = int4_vnni.linear_f32(x2, self.vq, self.vs, self.vm, self.group_size)
         elif self.invariant and x2.device.type == "cpu":
-            y = invariant_linear.linear(x2, self.float_weight())
+            y = invariant_linear.linear(x2, invariant_linear.pack(self.float_weight()), self.out_features)
         else:
             y = F.linear(x2, self.float_weight())
         if self.bias is not None:

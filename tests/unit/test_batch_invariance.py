@@ -18,21 +18,42 @@ pytestmark = pytest.mark.skipif(batch_invariance.unavailable() is not None,
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(37, 64), (96, 67), (300, 896)])
+@pytest.mark.parametrize("n,k", [(37, 64), (96, 67), (300, 896), (130, 1100)])
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(wdtype, n, k):
+    """Row tiles of 6 / 3 / 2 / 1 rows, partial 16-column panels, partial blocks of 8 panels, one
+    to three k blocks of 512 and the bf16 widening from 7 rows: a row's bits never change."""
     torch.manual_seed(0)
     w = (torch.randn(n, k) * 0.1).to(wdtype)
     b = torch.randn(n)
     x = torch.randn(70, k)
-    full = invariant_linear.linear(x, w, b)
+    wp = invariant_linear.pack(w)
+    assert wp.shape == (-(-n // 16), k, 16) and torch.equal(invariant_linear.unpack(wp, n), w)
+    full = invariant_linear.linear(x, wp, n, b)
     ref = F.linear(x.double(), w.double(), b.double())
     assert (full.double() - ref).abs().max() < 1e-4
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 17, 33, 64):
-        for start in (0, 70 - m):  # the row's place in its tile of 4 and in the call
-            got = invariant_linear.linear(x[start:start + m], w, b)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 17, 33, 64):
+        for start in (0, 70 - m):  # the row's place in its tile and in the call
+            got = invariant_linear.linear(x[start:start + m], wp, n, b)
             assert torch.equal(got, full[start:start + m]), (m, start)
-    assert torch.equal(invariant_linear.linear(torch.randn(3, 0), w[:, :0].contiguous(), b), b.expand(3, n))
-    assert invariant_linear.linear(x[:0], w, b).shape == (0, n)
+    empty = invariant_linear.pack(w[:, :0])
+    assert torch.equal(invariant_linear.linear(torch.randn(3, 0), empty, n, b), b.expand(3, n))
+    assert invariant_linear.linear(x[:0], wp, n, b).shape == (0, n)
+    with pytest.raises(RuntimeError, match="panels"):
+        invariant_linear.linear(x, wp, n + 16, b)
+
+
+def test_invariant_linear_is_one_fma_chain_in_k_order():
+    """The documented arithmetic: y = fma(x[K-1], w[K-1], ... fma(x[0], w[0], 0)) + bias, checked
+    against that chain in float64-rounded steps (an fma rounds once: exact in float64 for these
+    float32 operands, then rounded to float32)."""
+    torch.manual_seed(5)
+    n, k = 20, 40
+    w, x, b = torch.randn(n, k), torch.randn(3, k), torch.randn(n)
+    got = invariant_linear.linear(x, invariant_linear.pack(w), n, b)
+    acc = torch.zeros(3, n, dtype=torch.float32)
+    for i in range(k):  # x*w is exact in float64 (24 + 24 bits), the add then rounds once to float32
+        acc = (acc.double() + x[:, i:i + 1].double() * w[:, i].double()).float()
+    assert torch.equal(got, acc + b)
 
 
 def test_dense_linear_invariant_kernel_float_head():
@@ -49,6 +70,10 @@ def test_dense_linear_invariant_kernel_float_head():
     assert torch.equal(y[3:4], lin(x[3:4]))
     lin.float_out = False
     assert lin(x).dtype == torch.bfloat16
+    w = lin.dense_weight().clone()
+    assert lin.weight is None and lin.inv_packed is not None  # one copy resident
+    lin.set_impl("plain")
+    assert lin.impl == "plain" and torch.equal(lin.weight, w) and lin.inv_packed is None
 
 
 def test_paged_rows_prefill_rows_equal_decode_rows():
