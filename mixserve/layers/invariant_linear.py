@@ -241,7 +241,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of `pack`: [ceil(n/16), K, 16] -> [n, K], contiguous."""
-    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n].contiguous()
+    return packed.transpose(1, 2).reshape(packed.shape[0] * PANEL, packed.shape[1])[:n].contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

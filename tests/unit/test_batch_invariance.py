@@ -28,6 +28,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(wdtype, n, k):
     x = torch.randn(70, k)
     wp = invariant_linear.pack(w)
     assert wp.shape == (-(-n // 16), k, 16) and torch.equal(invariant_linear.unpack(wp, n), w)
+    assert invariant_linear.unpack(invariant_linear.pack(w[:, :0]), n).shape == (n, 0)
     full = invariant_linear.linear(x, wp, n, b)
     ref = F.linear(x.double(), w.double(), b.double())
     assert (full.double() - ref).abs().max() < 1e-4
@@ -187,3 +188,34 @@ def test_compiled_graph_equals_eager_at_an_odd_mlp_width(tmp_path):
     assert _key(beside) == alone  # its decode steps shared with a chunked prefill run eagerly
     eager = LLM(str(tmp_path / "odd"), kernels="eager", **ENGINE)
     assert _key(eager.generate([p], sp)[0]) == alone
+
+
+@pytest.mark.parametrize("case", ["v_shape", "v_blocks", "dtype", "len_long", "len_zero", "block_out", "block_neg",
+                                  "row_table", "no_kv_heads"])
+def test_paged_kernel_refuses_inputs_that_would_read_outside_the_cache(case):
+    """Found by a break-it round: these read out of bounds, divided by zero or gave garbage."""
+    q, kc, vc = torch.randn(2, 4, 64), torch.randn(6, 16, 2, 64), torch.randn(6, 16, 2, 64)
+    t, lens, rt = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([40, 3]), torch.tensor([0, 1])
+    if case == "v_shape":
+        vc = vc[..., :8].contiguous()
+    elif case == "v_blocks":
+        vc = vc[:1].contiguous()
+    elif case == "dtype":
+        kc = kc.bfloat16()
+    elif case == "len_long":
+        lens = torch.tensor([20000, 3])
+    elif case == "len_zero":
+        lens = torch.tensor([0, 3])
+    elif case == "block_out":
+        t = torch.tensor([[0, 10**9, 2], [3, 4, 5]])
+    elif case == "block_neg":
+        t = torch.tensor([[0, 1, 2], [-1, 4, 5]])
+    elif case == "row_table":
+        rt = torch.tensor([0, 10**9])
+    else:
+        kc, vc = kc[:, :, :0].contiguous(), vc[:, :, :0].contiguous()
+    with pytest.raises(RuntimeError, match="paged_decode"):
+        paged_rows(q, kc, vc, t, rt, lens, 0.1)
+    assert torch.isfinite(paged_rows(q, torch.randn(6, 16, 2, 64), torch.randn(6, 16, 2, 64),
+                                     torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([0, 1]),
+                                     torch.tensor([40, 3]), 0.1)).all()
