@@ -13,9 +13,22 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reference import compare_greedy, hf_greedy  # noqa: E402
+def _reference():
+    """tests/reference.py loaded by its path: this script changes no sys.path, so no module of the
+    checkout can shadow an installed package for the rest of the process (issue 46)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "reference.py"
+    spec = importlib.util.spec_from_file_location("mixserve_tests_reference", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_ref = _reference()
+compare_greedy, hf_greedy = _ref.compare_greedy, _ref.hf_greedy
 
 
 def main():

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+# `python benchmarks/replicas.py` puts this folder first on sys.path itself: serve_load is found
 from serve_load import Server  # noqa: E402
 
 

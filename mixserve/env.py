@@ -37,6 +37,28 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+_ISA_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "sha", "vaes", "vpclmul", "gfni",
+                 "movbe", "popcnt", "abm", "lzcnt")
+
+
+def cpu_isa_key() -> str:
+    """8 hex digits naming this CPU's instruction-set extensions (the SIMD and bit-manipulation
+    flags of /proc/cpuinfo): code built with -march=native on one set must not run on another
+    (SIGILL), and a model name alone does not tell them apart ("AMD EPYC" has come with and
+    without AVX-512). "noisa" where /proc/cpuinfo is unreadable."""
+    import hashlib
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = sorted(x for x in line.split(":", 1)[1].split() if x.startswith(_ISA_PREFIXES))
+                    return hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
+    except OSError:
+        pass
+    return "noisa"
+
+
 def machine_info() -> dict:
     """What a published timing must carry: {"cpu": model name, "cores": os.cpu_count(),
     "torch_threads": torch's intra-op threads, "torch": version, "date": YYYY-MM-DD}."""

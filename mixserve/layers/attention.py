@@ -218,7 +218,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
 
     q [B, H, d]; k, v [B, L, Hkv, d]; bias float32 [B, L] (0 or -inf). Returns [B, H, d].
     Plain batched matmuls: on a Zen 5, PyTorch's fused SDPA kernel ran a single-token query
-    about 7x slower than this (benchmarks/kernels.py: 4.44 ms vs 0.61 ms for B=16, L=320, bf16,
+    about 7x slower than this (benchmarks/kernel_choices.py: 4.44 ms vs 0.61 ms for B=16, L=320, bf16,
     2 threads); on the AVX-512/AMX Xeon this was 0.7x of SDPA, hence a measured choice.
     Query heads are grouped per KV head so K/V are never repeated.
     """

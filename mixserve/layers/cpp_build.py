@@ -10,10 +10,11 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 
 import torch
 
-from mixserve.env import cache_root, cpu_model
+from mixserve.env import cache_root, cpu_isa_key, cpu_model
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
@@ -22,32 +23,64 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 def build_extension(name: str, source: str, functions: list[str]):
     """The compiled module `name` (its C++ `source` exporting `functions`), or None where it cannot
-    be built. The build folder is keyed by CPU model (-march=native code is not portable) and by a
-    hash of the source, so a process after the first imports the built library directly instead
-    of asking load_inline, which spends ~20 s re-checking the build every time."""
+    be built. The build folder is keyed by the CPU's model and instruction set (-march=native code
+    is not portable: two machines named "AMD EPYC" differ in AVX-512) and by a hash of the source,
+    so a process after the first imports the built library directly instead of asking
+    load_inline, which spends ~20 s re-checking the build every time.
+
+    A build happens in a temporary folder renamed into place once the library loads, so a build
+    that fails or is killed leaves no folder that a later start would take as built; a library
+    already there that does not load (truncated, foreign) is built again (issue 46)."""
     if name in _built:
         return _built[name]
     mod = None
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
-        cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48]
+        cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
         digest = hashlib.sha256((source + repr(functions) + repr(_FLAGS)).encode()).hexdigest()[:12]
         build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{name}-{digest}"
-        so = build / f"{name}.so"
         try:
-            if so.exists():
-                spec = importlib.util.spec_from_file_location(name, so)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-            else:
-                from torch.utils.cpp_extension import load_inline
-
-                build.mkdir(parents=True, exist_ok=True)
-                mod = load_inline(name, cpp_sources=source, functions=functions, extra_cflags=list(_FLAGS),
-                                  extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            mod = _import_built(name, build / f"{name}.so")
+            if mod is None:
+                mod = _build(name, source, functions, build)
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
             mod = None
     _built[name] = mod
+    return mod
+
+
+def _import_built(name: str, so):
+    """The module in an already built library, or None where there is none or it does not load
+    (then its folder is removed, to be built again)."""
+    if not so.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except Exception as e:  # noqa: BLE001 -- a truncated or foreign .so: rebuild, never keep failing
+        log.warning("C++ kernel %s: the cached build %s does not load (%s); building it again", name, so, e)
+        shutil.rmtree(so.parent, ignore_errors=True)
+        return None
+
+
+def _build(name: str, source: str, functions: list[str], build):
+    from torch.utils.cpp_extension import load_inline
+
+    log.warning("compiling C++ kernel %s (once per machine and source; cached in %s)", name, build.parent)
+    tmp = build.with_name(f"{build.name}.tmp.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        mod = load_inline(name, cpp_sources=source, functions=functions, extra_cflags=list(_FLAGS),
+                          extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False)
+        try:
+            tmp.rename(build)
+        except OSError:  # another process finished the same build first: keep theirs
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return mod
 
 

@@ -2,7 +2,7 @@
 
 PyTorch ships the int4 matmul for few rows but no fast way back to a dense weight, and a chain of
 eager ops (unpack, transpose, convert, scale) costs more than the bf16 GEMM it feeds at 512 rows
-(benchmarks/kernels.py --int4). This is one pass over the packed bytes in C++ (compiled once with
+(benchmarks/kernel_choices.py --int4). This is one pass over the packed bytes in C++ (compiled once with
 torch.utils.cpp_extension and cached; without a compiler the eager chain in linear.py is used).
 
 Layout read (found by probing `_convert_weight_to_int4pack_for_cpu`; tests/unit/test_quant.py

@@ -31,6 +31,7 @@ ignored and remeasured), then a measurement.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from mixserve.env import cache_root, cpu_model
+from mixserve.env import cache_root, cpu_isa_key, cpu_model
 
 log = logging.getLogger("mixserve")
 
@@ -161,7 +162,7 @@ class KernelChooser:
 
     Args:
         path: the JSON cache (default_cache_path()); overrides: {key prefix: name}, default from
-            $MIXSERVE_KERNELS; machine: cache identity, default "<CPU model> | torch <version>".
+            $MIXSERVE_KERNELS; machine: cache identity, default "<CPU model> [isa <cpu_isa_key()>] | torch <version>".
     """
 
     def __init__(self, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
@@ -173,7 +174,8 @@ class KernelChooser:
             except ValueError as e:
                 raise ValueError(f"MIXSERVE_KERNELS (environment): {e}") from None
         self.overrides = overrides
-        self.machine = machine or f"{cpu_model()} | torch {torch.__version__}"
+        # the instruction set too: "AMD EPYC" names machines with and without AVX-512
+        self.machine = machine or f"{cpu_model()} [isa {cpu_isa_key()}] | torch {torch.__version__}"
         self.choices: dict[str, Choice] = {}
 
     def _override(self, key: str) -> str | None:
@@ -247,15 +249,34 @@ class KernelChooser:
         # a cached choice stands only for the same candidates: a new kernel gets measured
         if (isinstance(hit, dict) and hit.get("name") in candidates and isinstance(hit.get("timings"), dict)
                 and set(hit["timings"]) == set(candidates)
-                and all(isinstance(v, (int, float)) for v in hit["timings"].values())):
+                and all(isinstance(v, (int, float)) and not math.isnan(v) for v in hit["timings"].values())):
             self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
             return hit["name"]
         # a warning, not info: a first start is silent for up to a minute otherwise
         log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
-        timings = {name: float(fn()) for name, fn in candidates.items()}
+        # a candidate whose timing raised or came out NaN is left out of this choice, and the choice
+        # is not cached: a failed measurement is never remembered as a result (issue 46)
+        timings, failed = {}, {}
+        for name, fn in candidates.items():
+            try:
+                t = float(fn())
+            except Exception as e:  # noqa: BLE001 -- reported below; the others still compete
+                failed[name] = repr(e)
+                continue
+            if math.isnan(t):
+                failed[name] = "timing is NaN"
+            else:
+                timings[name] = t
+        if not timings:
+            raise RuntimeError(f"kernels: every candidate for {key} failed to time: {failed}")
         best = min(timings, key=timings.get)
         if best != eager and eager in timings and timings[best] > (1 - MARGIN) * timings[eager]:
             best = eager
+        if failed:
+            log.warning("kernels: %s: %s failed to time (%s); using %s for this process, not cached",
+                        key, ", ".join(failed), "; ".join(failed.values()), best)
+            self.choices[key] = Choice(key, best, "measured, not cached", timings)
+            return best
         self.choices[key] = choice = Choice(key, best, "measured", timings)
         self._write(key, choice)
         return best

@@ -16,7 +16,7 @@ from mixserve.models.llama import LlamaForCausalLM
 from mixserve.models.registry import resolve_model
 from mixserve.models.weights import convert_gguf, load_hf_weights
 from mixserve.quant.awq import AWQConfig
-from mixserve.quant.checkpoint import default_out_dir
+from mixserve.quant.checkpoint import default_out_dir, missing_pieces
 from mixserve.quant.loading import QuantSpec
 
 
@@ -110,6 +110,10 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
         if not done.exists():
             raise ValueError(f"quantization awq: {folder} is not an AWQ checkpoint and no default AWQ run is cached; "
                              f"run `mixserve quantize --model {spec}` (AWQ is never replaced by RTN)")
+        if missing_pieces(cached, Path(folder)):
+            raise ValueError(f"quantization awq: the cached run {cached} lacks "
+                             f"{', '.join(missing_pieces(cached, Path(folder)))}; run `mixserve quantize --model {spec}` "
+                             "again (it redoes such a run)")
         if json.loads(done.read_text()).get("config") != asdict(AWQConfig()):
             # e.g. made by an older mixserve whose default AWQ searched clipping
             raise ValueError(f"quantization awq: the cached run {cached} was made with other AWQ settings than "

@@ -89,7 +89,10 @@ def gguf_config(reader) -> tuple[ModelConfig, dict]:
         eos_token_ids=eos_ids,
         bos_token_id=bos,
     )
-    return cfg, {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
+    # a GGUF without a vocabulary carries no tokenizer (the model still runs on token ids); one with
+    # it must load it (issue 46: a load that raised was once cached as "no tokenizer")
+    return cfg, {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+                 "has_tokenizer": "tokenizer.ggml.tokens" in reader.fields}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -202,36 +205,69 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
     """Dequantize a GGUF once into an HF folder (config.json, model.safetensors in float32,
     tokenizer files); later loads memory-map it. A no-op when the folder is complete.
 
-    Returns the folder. Raises ValueError for an unsupported or corrupt file.
+    Returns the folder. Raises ValueError for an unsupported or corrupt file, RuntimeError when its
+    tokenizer cannot be loaded (nothing is cached then; see _write_meta).
     """
     out = converted_dir(gguf_path)
-    if (out / "DONE").exists():
+    if _complete(out):
         return out
     t0 = time.perf_counter()
     cfg, extra, tensors = dequantize_gguf(gguf_path, progress=progress)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"))
-    _write_meta(gguf_path, cfg, tmp)
-    (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        _write_meta(gguf_path, cfg, extra, tmp)
+        (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
+
+    _publish(out, fill)
     return out
 
 
-def _write_meta(gguf_path: str | Path, cfg: ModelConfig, folder: Path) -> None:
+def _complete(folder: Path) -> bool:
+    """A converted or -meta folder that a finished step wrote: DONE, and no TOKENIZER_ERROR (the mark
+    that caches before issue 46 left beside DONE when the tokenizer's load raised: rebuilt)."""
+    return (folder / "DONE").is_file() and not (folder / "TOKENIZER_ERROR").exists()
+
+
+def _publish(out: Path, fill) -> None:
+    """Build a cache folder as `<out>.tmp.<pid>` with `fill(tmp)`, then put it in `out`'s place. A
+    fill that raises leaves nothing behind, and `out` (if any) as it was; only a finished folder
+    gets the name that later loads look for."""
+    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Path) -> None:
+    """config.json, generation_config.json, mixserve_source.json and the tokenizer's files of a
+    GGUF into `folder`. A GGUF with no vocabulary gets a NO_TOKENIZER note (it runs on token ids).
+
+    Raises RuntimeError when the GGUF has a tokenizer and transformers cannot load it: that is a
+    fault of this install (issue 46: a module shadowing the `kernels` package), never a fact about
+    the model to cache.
+    """
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
     # which file this copy came from (quant/provenance.py reads its release name from there)
     (folder / "mixserve_source.json").write_text(json.dumps({"gguf": str(Path(gguf_path).resolve())}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
+    if not extra.get("has_tokenizer", True):
+        (folder / "NO_TOKENIZER").write_text("this GGUF carries no tokenizer.ggml.tokens: the model runs on token ids\n")
+        return
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
         tok.save_pretrained(str(folder))
-    except Exception as e:  # a model without a usable tokenizer still runs on token ids
-        (folder / "TOKENIZER_ERROR").write_text(repr(e))
+    except Exception as e:
+        raise RuntimeError(f"the tokenizer in {gguf_path} could not be loaded by transformers: {e!r}. "
+                           "Nothing was cached; the next load tries again") from e
 
 
 def gguf_meta_dir(gguf_path: str | Path) -> Path:
@@ -239,21 +275,20 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
     weights (what a natively loaded GGUF needs besides the file): the dequantized copy's folder
     when that exists, else one written once beside it (`<converted>-meta`)."""
     full = converted_dir(gguf_path)
-    if (full / "DONE").exists():
+    if _complete(full):
         return full
     out = full.with_name(full.name + "-meta")
-    if (out / "DONE").exists():
+    if _complete(out):
         return out
     import gguf
 
-    cfg, _ = gguf_config(gguf.GGUFReader(str(gguf_path)))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _write_meta(gguf_path, cfg, tmp)
-    (tmp / "DONE").write_text("tokenizer and config only\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    cfg, extra = gguf_config(gguf.GGUFReader(str(gguf_path)))
+
+    def fill(tmp: Path) -> None:
+        _write_meta(gguf_path, cfg, extra, tmp)
+        (tmp / "DONE").write_text("tokenizer and config only\n")
+
+    _publish(out, fill)
     return out
 
 

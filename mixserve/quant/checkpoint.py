@@ -8,6 +8,7 @@ tokenizer and generation config, and mixserve_quant.json (method, calibration, t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -58,11 +59,32 @@ def build_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor], qc: AWQ
 
 def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qc: AWQConfig,
                     report: QuantReport, source: Path, meta: dict) -> Path:
-    """Write the folder atomically (a .tmp sibling renamed at the end). Returns the folder."""
+    """Write the folder atomically (a .tmp sibling renamed at the end; a write that raises removes
+    it, so no half-written checkpoint ever has the folder's name). Returns the folder."""
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _fill(tmp, cfg, sd, qc, report, source, meta)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def missing_pieces(out: Path, source: Path) -> list[str]:
+    """The files a finished checkpoint in `out` lacks: its weights, config, and each tokenizer or
+    generation file that its source folder has (a run from a source whose tokenizer failed to
+    load once wrote a checkpoint without one; issue 46)."""
+    need = ["model.safetensors", "config.json", *(f for f in _COPY if (source / f).exists())]
+    return [f for f in need if not (out / f).is_file()]
+
+
+def _fill(tmp: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qc: AWQConfig, report: QuantReport,
+          source: Path, meta: dict) -> None:
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     hf = cfg.to_hf()
     hf["torch_dtype"] = "float16"
@@ -80,9 +102,6 @@ def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tenso
         {**meta, "config": asdict(qc), "seconds": round(report.seconds, 1), "skipped": report.skipped,
          "alphas": report.alphas, "groups": report.groups, "verdict": report.verdict() if report.groups else None},
         indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
 
 
 def default_out_dir(model: str, qc: AWQConfig, calib: str, n: int, seq_len: int) -> Path:
@@ -178,8 +197,11 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
             old = json.loads(done.read_text())
         except (OSError, ValueError, RecursionError):
             old = None
+        missing = missing_pieces(out, folder)
         if not isinstance(old, dict):
             log(f"{done}: unreadable, so the run is redone")
+        elif missing:
+            log(f"{out}: lacks {', '.join(missing)}, so the run is redone")
         elif all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
             log(f"{out}: already quantized with these settings" + (f"; {old['verdict']}" if old.get("verdict") else ""))
             return out

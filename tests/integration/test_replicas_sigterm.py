@@ -81,4 +81,4 @@ def test_sigterm_drains_the_replicas_and_exits_clean(smollm2_path, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.wait(30)

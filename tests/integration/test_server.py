@@ -25,6 +25,7 @@ from mixserve.llm import LLM
 from mixserve.server.api import ServerConfig
 from tests.live_server import LiveServer, gap_logits, start_drain_streams, wait_healthy
 from tests.reference import compare_greedy
+from tests.waits import await_until
 
 pytestmark = pytest.mark.integration
 
@@ -400,11 +401,11 @@ def test_full_waiting_queue_is_503_with_retry_after(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, headers=h, timeout=60) as c:
             first = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            while not entered.is_set():  # the engine holds request 1 in its waiting queue
-                await asyncio.sleep(0.01)
+            # the engine holds request 1 in its waiting queue (a first request that fails never
+            # gets there: the deadline ends the test instead of hanging the run)
+            await await_until(entered.is_set, 60, "the engine to take request 1")
             second = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            while server.loop.num_waiting < 2:
-                await asyncio.sleep(0.01)
+            await await_until(lambda: server.loop.num_waiting >= 2, 60, "two requests in the waiting queue")
             third = await c.post("/v1/completions", json=body)
             release.set()
             return await first, await second, third
@@ -499,7 +500,7 @@ def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path, t
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(30)
 
 
 # -- online benchmark client -----------------------------------------------------------------------

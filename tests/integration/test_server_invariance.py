@@ -58,8 +58,8 @@ def test_seeded_request_alone_beside_another_streamed_and_without_logprobs(serve
         other = pool.submit(client.completions.create, model=NAME, prompt="Write a short poem about the sea:",
                             temperature=0.8, max_tokens=48, extra_body={"ignore_eos": True})
         beside = pool.submit(client.completions.create, logprobs=2, **SEEDED)
-        assert _key(beside.result().choices[0]) == alone
-        other.result()
+        assert _key(beside.result(timeout=600).choices[0]) == alone
+        other.result(timeout=600)
     assert _streamed(client, logprobs=2, **SEEDED) == alone
     assert client.completions.create(**SEEDED).choices[0].token_ids == alone[0]
     assert _streamed(client, **SEEDED)[0] == alone[0]

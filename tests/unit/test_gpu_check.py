@@ -1,13 +1,10 @@
 """benchmarks/gpu_check.py's Python entry on the CPU with a tiny model (issue 20): every section
 runs and records its results, so the script a lent GPU runs once is not dead code."""
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tests.scripts import load_script
 
-import gpu_check  # noqa: E402
+gpu_check = load_script("gpu_check")
 
 
 def test_gpu_check_runs_every_section_on_the_cpu(tmp_path):

@@ -13,6 +13,7 @@ from mixserve.engine.llm_engine import LLMEngine
 from mixserve.server.api import ServerConfig
 from mixserve.server.protocol import APIError, parse_request
 from tests.live_server import LiveServer
+from tests.waits import wait_until
 from tests.unit.test_engine_tiny import make_tiny
 
 
@@ -383,8 +384,7 @@ def test_an_exception_in_a_forward_fails_only_that_steps_requests(tiny_folder):
                                               "ignore_eos": True}, timeout=60)
         a = threading.Thread(target=post, args=("bad", [77, 77, 77], 400))
         a.start()
-        while not eng.has_unfinished():  # the marked request runs first
-            time.sleep(0.005)
+        wait_until(eng.has_unfinished, 60, "the marked request to run first", poll_s=0.005)
         b = threading.Thread(target=post, args=("good", [5, 6, 7], 20))
         b.start()
         a.join(60)

@@ -8,7 +8,7 @@
    row threshold, dequantize + bf16 GEMM above it) against the bf16 prepacked GEMM, over 8
    distinct 17920x1536 matrices (the 1.5B's fused gate/up), by rows: where the threshold belongs.
 
-    python benchmarks/kernels.py [--int4]
+    python benchmarks/kernel_choices.py [--int4]
 """
 from __future__ import annotations
 

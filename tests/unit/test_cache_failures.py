@@ -1,0 +1,232 @@
+"""A step that fails is never cached as done, and an entry that a failed step left is rebuilt
+(issue 46), for each cache mixserve writes: converted and -meta folders of a GGUF, quantized
+checkpoints, kernel choices and C++ builds. (Pulls and the ShareGPT cache: test_registry.py's
+`test_pull_truncated_raises_and_leaves_nothing` / `..._fetch_error_...` and
+test_bench_datasets.py's corrupt-cache case.)
+
+The fault that found this: transformers could not import its `kernels` package (a module of ours
+shadowed it), `_write_meta` wrote TOKENIZER_ERROR, and the conversion still wrote DONE: every
+later load ran without a tokenizer until the cache was deleted by hand.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+import numpy as np
+import pytest
+
+from mixserve.models import weights
+from mixserve.models.weights import convert_gguf, gguf_meta_dir, load_tokenizer
+
+HIDDEN, INTER, VOCAB = 64, 128, 258
+
+
+def write_gguf(path, tokenizer: bool = True):
+    """A one-block float32 llama GGUF; with `tokenizer`, a byte-level BPE vocabulary (256 byte
+    tokens, one merge "a b", an end token) that transformers turns into a real tokenizer."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_context_length(128)
+    w.add_eos_token_id(VOCAB - 1)
+    if tokenizer:
+        b2u = bytes_to_unicode()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([b2u[i] for i in range(256)] + ["ab", "<|end|>"])
+        w.add_token_types([1] * (VOCAB - 1) + [3])
+        w.add_token_merges(["a b"])
+    rng = np.random.default_rng(0)
+    r = lambda *s: (0.05 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", r(VOCAB, HIDDEN))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for kind, shape in {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
+                        "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
+                        "ffn_down": (HIDDEN, INTER)}.items():
+        w.add_tensor(f"blk.0.{kind}.weight", r(*shape))
+    for norm in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{norm}.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _break_the_tokenizer(monkeypatch):
+    import transformers
+
+    def broken(*a, **k):  # what a shadowed `kernels` package raised inside transformers
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (benchmarks/kernels.py)")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", broken)
+
+
+def _siblings(folder):
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(folder.name))
+
+
+@pytest.mark.parametrize("make", [convert_gguf, gguf_meta_dir], ids=["converted", "meta"])
+def test_a_tokenizer_that_fails_to_load_is_an_error_and_leaves_nothing_done(tmp_path, monkeypatch, make):
+    src = write_gguf(tmp_path / "m.gguf")
+    name = "m.gguf.mixserve" + ("-meta" if make is gguf_meta_dir else "")
+    with monkeypatch.context() as m:
+        _break_the_tokenizer(m)
+        with pytest.raises(RuntimeError, match="could not be loaded.*CUDAProperties.*Nothing was cached"):
+            make(src, progress=False) if make is convert_gguf else make(src)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"], "a failed step left a folder"
+    folder = make(src, progress=False) if make is convert_gguf else make(src)  # the next load tries again
+    assert folder.name == name and (folder / "DONE").is_file() and (folder / "tokenizer.json").is_file()
+    assert load_tokenizer(src).encode("ab", add_special_tokens=False) == [256]  # the merge: one token
+
+
+@pytest.mark.parametrize("make", [convert_gguf, gguf_meta_dir], ids=["converted", "meta"])
+def test_a_folder_poisoned_before_the_fix_is_rebuilt(tmp_path, make):
+    src = write_gguf(tmp_path / "m.gguf")
+    folder = make(src, progress=False) if make is convert_gguf else make(src)
+    # what the old _write_meta left: DONE beside TOKENIZER_ERROR, and no tokenizer files
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    (folder / "TOKENIZER_ERROR").write_text("ImportError(\"cannot import name 'CUDAProperties' from 'kernels'\")")
+    again = make(src, progress=False) if make is convert_gguf else make(src)
+    assert again == folder and (again / "tokenizer.json").is_file() and not (again / "TOKENIZER_ERROR").exists()
+    assert _siblings(folder) == [folder.name]  # no temporary folder left
+
+
+def test_a_gguf_without_a_vocabulary_is_cached_as_such(tmp_path):
+    src = write_gguf(tmp_path / "m.gguf", tokenizer=False)
+    folder = convert_gguf(src, progress=False)
+    assert (folder / "DONE").is_file() and (folder / "NO_TOKENIZER").is_file()
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_tokenizer(src)
+
+
+def test_a_conversion_that_fails_midway_leaves_no_folder_and_keeps_the_old_one(tmp_path, monkeypatch):
+    src = write_gguf(tmp_path / "m.gguf")
+
+    def full_disk(tensors, path, **k):
+        open(path, "wb").write(b"\0" * 100)  # a partly written file, then the error
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(weights, "save_file", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            convert_gguf(src, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+    folder = convert_gguf(src, progress=False)
+    assert (folder / "DONE").is_file()
+
+
+# -- quantized checkpoints ---------------------------------------------------------------------
+def test_a_quantize_that_fails_midway_leaves_nothing_and_a_checkpoint_missing_a_piece_is_redone(tmp_path, monkeypatch):
+    from mixserve.quant import checkpoint
+    from mixserve.quant.awq import AWQConfig
+
+    src = write_gguf(tmp_path / "m.gguf")
+    out = tmp_path / "q"
+    qc = AWQConfig(method="rtn", group_size=32)
+
+    def full_disk(sd, path, **k):
+        open(path, "wb").write(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "save_file", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            checkpoint.quantize(str(src), qc, out=out, progress=False, log=lambda s: None)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith("q.")]
+
+    lines = []
+    checkpoint.quantize(str(src), qc, out=out, progress=False, log=lines.append)
+    assert (out / "tokenizer.json").is_file() and json.loads((out / "mixserve_quant.json").read_text())["method"] == "rtn"
+    lines.clear()
+    checkpoint.quantize(str(src), qc, out=out, progress=False, log=lines.append)
+    assert any("already quantized" in s for s in lines), lines  # a finished run is kept
+    (out / "tokenizer.json").unlink()  # what a run from a poisoned source folder wrote
+    lines.clear()
+    checkpoint.quantize(str(src), qc, out=out, progress=False, log=lines.append)
+    assert any("lacks tokenizer.json, so the run is redone" in s for s in lines), lines
+    assert (out / "tokenizer.json").is_file()
+
+
+# -- kernel choices ----------------------------------------------------------------------------
+def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog):
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    path = tmp_path / "choices.json"
+
+    def boom():
+        raise RuntimeError("oneDNN primitive failed")
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": boom}, "plain") == "plain"
+    assert "not cached" in caplog.text and "oneDNN primitive failed" in caplog.text
+    assert c.choices["dense_linear/x"].source == "measured, not cached" and not path.exists()
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: float("nan")}, "plain") == "plain"
+    assert not path.exists()  # a NaN timing is a failed one too
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: 1.0}, "plain") == "onednn"
+    assert c.choices["dense_linear/x"].source == "measured" and path.exists()
+    with pytest.raises(RuntimeError, match="every candidate"):
+        KernelChooser(path, overrides={}, machine="cpu A | torch 1").choose("k/y", {"a": boom}, "a")
+    # a NaN that an older mixserve cached is measured again, not used
+    data = json.loads(path.read_text())
+    data["machines"]["cpu A | torch 1"]["dense_linear/x"]["timings"]["plain"] = float("nan")
+    path.write_text(json.dumps(data))
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: 1.0}, "plain")
+    assert c.choices["dense_linear/x"].source == "measured"
+
+
+def test_the_default_kernel_cache_key_names_the_instruction_set():
+    from mixserve.env import cpu_isa_key
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    key = cpu_isa_key()
+    assert len(key) == 8 and f"[isa {key}]" in KernelChooser(overrides={}).machine
+
+
+# -- C++ builds --------------------------------------------------------------------------------
+def test_a_cpp_build_that_fails_leaves_no_folder_and_a_broken_library_is_rebuilt(tmp_path, monkeypatch, caplog):
+    import torch.utils.cpp_extension as ext
+
+    from mixserve.layers import cpp_build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    calls = []
+
+    def fake_load_inline(name, build_directory, **k):
+        calls.append(build_directory)
+        (tmp_path / "out").mkdir(exist_ok=True)
+        open(f"{build_directory}/{name}.so", "wb").write(b"\x7fELF truncated")
+        if len(calls) == 1:
+            raise RuntimeError("g++ killed")  # a build that dies after writing part of its library
+        return "module"
+    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    root = tmp_path / "mixserve" / "kernels"
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert cpp_build.build_extension("mixserve_test_k", "// src", ["f"]) is None
+    assert "g++ killed" in caplog.text
+    cpu_dir = next(root.glob("torch-*/*"))
+    assert cpu_dir.name.endswith(cpp_build.cpu_isa_key()) and list(cpu_dir.iterdir()) == []  # nothing built
+    cpp_build._built.pop("mixserve_test_k")
+    assert cpp_build.build_extension("mixserve_test_k", "// src", ["f"]) == "module"
+    built = next(cpu_dir.iterdir())
+    assert built.name.startswith("mixserve_test_k-") and (built / "mixserve_test_k.so").is_file()
+    # the library on disk does not load (here: not an ELF at all; a truncated one fails the same way)
+    cpp_build._built.pop("mixserve_test_k")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert cpp_build.build_extension("mixserve_test_k", "// src", ["f"]) == "module"
+    assert "does not load" in caplog.text and len(calls) == 3
+    assert [p.name for p in cpu_dir.iterdir()] == [built.name]
+    cpp_build._built.pop("mixserve_test_k")
