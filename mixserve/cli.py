@@ -10,6 +10,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import mixserve.startup as startup
 from mixserve.env import machine_info
 
 
@@ -104,6 +105,7 @@ def cmd_generate(a) -> int:
     print(llm.engine.describe(), file=sys.stderr)
     prompts = a.prompt
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp) if a.chat else llm.generate(prompts, sp)
+    startup.mark("last token")
     for o in outs:
         print(o.text if a.chat else (o.prompt or "") + o.text)
         print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "

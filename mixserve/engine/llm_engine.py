@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import mixserve.startup as startup
 from mixserve.device import resolve_device
 from mixserve.engine.args import EngineArgs, parse_bytes, parse_dtype
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string, tokens_in_text
@@ -70,6 +71,7 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs, loaded=None):
+        startup.mark("imports")
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
@@ -113,6 +115,7 @@ class LLMEngine:
             elif hasattr(m, "choose_kernels"):
                 m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant)
         self.kernel_choice_s = time.perf_counter() - t1
+        startup.mark("kernel choices")
         # The draft's cache holds as many tokens as the target's, so the budget is split in
         # proportion to their per-token K/V bytes.
         per_token = self.cfg.kv_bytes_per_token(dtype_bytes)
@@ -152,6 +155,7 @@ class LLMEngine:
             else:
                 r.graph_choice = "eager (--kernels eager)"
         self.kernel_choice_s += time.perf_counter() - t1
+        startup.mark("decode graph")
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
@@ -581,6 +585,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
         p = seq.params
         seq.token_ids.append(tok)
+        if not self.num_generated_tokens:
+            startup.mark("first token")
         self.num_generated_tokens += 1
         if lp is not None:
             seq.logprobs.append(lp)

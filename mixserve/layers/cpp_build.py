@@ -11,9 +11,11 @@ import importlib.util
 import logging
 import os
 import shutil
+import time
 
 import torch
 
+import mixserve.startup as startup
 from mixserve.env import cache_root, cpu_isa_key, cpu_model
 
 log = logging.getLogger("mixserve")
@@ -34,6 +36,7 @@ def build_extension(name: str, source: str, functions: list[str]):
     if name in _built:
         return _built[name]
     mod = None
+    t0 = time.perf_counter()
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
         digest = hashlib.sha256((source + repr(functions) + repr(_FLAGS)).encode()).hexdigest()[:12]
@@ -45,6 +48,7 @@ def build_extension(name: str, source: str, functions: list[str]):
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
             mod = None
+    startup.add("C++ kernels", time.perf_counter() - t0)
     _built[name] = mod
     return mod
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+import mixserve.startup as startup
 from mixserve.env import cache_root, cpu_isa_key, cpu_model
 
 log = logging.getLogger("mixserve")
@@ -144,7 +145,8 @@ def parse_overrides(text: str) -> dict[str, str]:
 @dataclass
 class Choice:
     """One decision: the candidate used for `key`, how it was decided ("override", "cache",
-    "measured"), and the measured seconds per call of each candidate (empty for an override)."""
+    "measured", or "measured, not cached" where a timing came out NaN), and the measured seconds
+    per call of each candidate (empty for an override)."""
 
     key: str
     name: str
@@ -254,27 +256,23 @@ class KernelChooser:
             return hit["name"]
         # a warning, not info: a first start is silent for up to a minute otherwise
         log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
-        # a candidate whose timing raised or came out NaN is left out of this choice, and the choice
-        # is not cached: a failed measurement is never remembered as a result (issue 46)
-        timings, failed = {}, {}
-        for name, fn in candidates.items():
-            try:
-                t = float(fn())
-            except Exception as e:  # noqa: BLE001 -- reported below; the others still compete
-                failed[name] = repr(e)
-                continue
-            if math.isnan(t):
-                failed[name] = "timing is NaN"
-            else:
-                timings[name] = t
+        # a timing that raises propagates before anything is written; one that came out NaN is left
+        # out, and the choice is not cached: a failed measurement is never remembered (issue 46)
+        t0 = time.perf_counter()
+        try:
+            timings = {name: float(fn()) for name, fn in candidates.items()}
+        finally:
+            startup.add("kernel timing", time.perf_counter() - t0)
+        failed = [name for name, t in timings.items() if math.isnan(t)]
+        timings = {name: t for name, t in timings.items() if name not in failed}
         if not timings:
-            raise RuntimeError(f"kernels: every candidate for {key} failed to time: {failed}")
+            raise RuntimeError(f"kernels: every candidate for {key} timed as NaN")
         best = min(timings, key=timings.get)
         if best != eager and eager in timings and timings[best] > (1 - MARGIN) * timings[eager]:
             best = eager
         if failed:
-            log.warning("kernels: %s: %s failed to time (%s); using %s for this process, not cached",
-                        key, ", ".join(failed), "; ".join(failed.values()), best)
+            log.warning("kernels: %s: %s timed as NaN; using %s for this process, not cached",
+                        key, ", ".join(failed), best)
             self.choices[key] = Choice(key, best, "measured, not cached", timings)
             return best
         self.choices[key] = choice = Choice(key, best, "measured", timings)

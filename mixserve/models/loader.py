@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+import mixserve.startup as startup
 from mixserve.models.config import ModelConfig
 from mixserve.models.llama import LlamaForCausalLM
 from mixserve.models.registry import resolve_model
@@ -63,7 +64,10 @@ def _load_native_gguf(path, dtype, max_positions, progress):
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
                            f"int8-activation kernel (layers/gguf_kernels.py), the rest dequantized to {dtype}")
     del weights
-    return cfg, model, _tokenizer(folder), folder
+    startup.mark("weights")
+    tok = _tokenizer(folder)
+    startup.mark("tokenizer")
+    return cfg, model, tok, folder
 
 
 def _tokenizer(folder: Path):
@@ -129,7 +133,10 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     del weights
     kind = "int4 " + quant.method if quant is not None else "dense"
     model.weight_format = (f"{kind} weights in {dtype}" + (" (dequantized from the GGUF)" if r.kind == "gguf" else ""))
-    return cfg, model, _tokenizer(Path(folder)), folder
+    startup.mark("weights")
+    tok = _tokenizer(Path(folder))
+    startup.mark("tokenizer")
+    return cfg, model, tok, folder
 
 
 def check_same_vocab(cfg, tok, dcfg, dtok) -> None:

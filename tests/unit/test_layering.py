@@ -24,8 +24,8 @@ FORBIDDEN["layers"] += ("models",)
 FORBIDDEN["kv"] += ("models",)
 FORBIDDEN["quant"] += ("engine",)
 # README "Layout", right column: the packages of ours each one may import ("" is the top-level
-# modules env, sampling_params, sequence, open to all; llm is mixserve/llm.py)
-OPEN = {"env", "device", "sampling_params", "sequence", ""}
+# modules env, device, startup, sampling_params, sequence, open to all; llm is mixserve/llm.py)
+OPEN = {"env", "device", "startup", "sampling_params", "sequence", ""}
 ALLOWED = {
     "env": set(), "layers": set(), "kv": set(), "data": {"kv"},
     "quant": {"layers", "models", "data"},
