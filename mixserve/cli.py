@@ -349,7 +349,10 @@ def cmd_eval_ppl(a) -> int:
             raise ValueError(f"baseline: {a.baseline} is not an eval-ppl report ({e})") from None
     # the dequantized weights are the quality reference: native GGUF weights only when asked for
     gguf_weights = a.gguf_weights or "dequantize"
-    eng = LLMEngine(engine_args(a, max_num_seqs=1, gguf_weights=gguf_weights))
+    # teacher-forced scoring runs no decode step: no decode graph to time or compile (issue 32)
+    kernels = a.kernels if a.kernels == "eager" else ",".join(
+        [k for k in (a.kernels if a.kernels != "auto" else "").split(",") if k.strip()] + ["decode_graph=eager"])
+    eng = LLMEngine(engine_args(a, max_num_seqs=1, gguf_weights=gguf_weights, kernels=kernels))
     if a.seq_len > eng.max_model_len:
         raise ValueError(f"seq_len: {a.seq_len} exceeds max_model_len {eng.max_model_len}")
     if eng.tokenizer is None:

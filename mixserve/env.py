@@ -25,6 +25,57 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "mixserve"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_tmp(out: Path) -> None:
+    """Remove `<out>.tmp.<pid>` siblings whose process is gone: what a build killed mid-way (SIGKILL,
+    out of memory) left. A live process's folder is left to it."""
+    import shutil
+
+    for p in out.parent.glob(f"{out.name}.tmp.*"):
+        pid = p.name.rsplit(".", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def publish_dir(out: Path, fill, complete) -> Path:
+    """Build a cache folder as `<out>.tmp.<pid>` with `fill(tmp)`, then rename it to `out`: a fill
+    that raises (or a process killed mid-way) leaves no folder under the name later loads look
+    for, and `out`, if any, as it was. Stale temporary siblings of dead processes are removed
+    first. Where another process published `out` first (the rename fails and `complete(out)`
+    holds), its folder is kept. Returns `out`. Raises what `fill` raises, or OSError."""
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(out)
+    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        if out.is_symlink() or out.is_file():
+            out.unlink()
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not complete(out):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race with the same result
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where that is unreadable)."""
     try:

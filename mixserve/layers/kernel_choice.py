@@ -145,7 +145,8 @@ def parse_overrides(text: str) -> dict[str, str]:
 @dataclass
 class Choice:
     """One decision: the candidate used for `key`, how it was decided ("override", "cache",
-    "measured", or "measured, not cached" where a timing came out NaN), and the measured seconds
+    "measured", "measured, not cached" where a timing came out NaN, or "prior" where nothing was
+    timed: KernelChooser's timing "prior"), and the measured seconds
     per call of each candidate (empty for an override)."""
 
     key: str
@@ -165,11 +166,20 @@ class KernelChooser:
     Args:
         path: the JSON cache (default_cache_path()); overrides: {key prefix: name}, default from
             $MIXSERVE_KERNELS; machine: cache identity, default "<CPU model> [isa <cpu_isa_key()>] | torch <version>".
+        timing: "measure" (time the candidates of a choice the cache lacks, and cache the result)
+            or "prior" (time nothing: a choice the cache lacks is its eager candidate, not cached;
+            for test suites and replicas that must start at once); default $MIXSERVE_KERNEL_TIMING,
+            else "measure".
+    Raises ValueError for another timing.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
-                 machine: str | None = None):
+                 machine: str | None = None, timing: str | None = None):
         self.path = Path(path) if path is not None else default_cache_path()
+        self.timing = timing or os.environ.get("MIXSERVE_KERNEL_TIMING") or "measure"
+        if self.timing not in ("measure", "prior"):
+            raise ValueError(f"kernel timing: must be measure or prior (got {self.timing!r}; "
+                             "from $MIXSERVE_KERNEL_TIMING where not passed)")
         if overrides is None:
             try:
                 overrides = parse_overrides(os.environ.get("MIXSERVE_KERNELS", ""))
@@ -254,6 +264,11 @@ class KernelChooser:
                 and all(isinstance(v, (int, float)) and not math.isnan(v) for v in hit["timings"].values())):
             self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
             return hit["name"]
+        if self.timing == "prior":
+            if eager not in candidates:
+                raise ValueError(f"kernels: {key}: the eager candidate {eager!r} is not among {', '.join(candidates)}")
+            self.choices[key] = Choice(key, eager, "prior")
+            return eager
         # a warning, not info: a first start is silent for up to a minute otherwise
         log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
         # a timing that raises propagates before anything is written; one that came out NaN is left

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from mixserve.env import publish_dir
 from mixserve.models.config import ModelConfig
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -217,57 +217,93 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         _write_meta(gguf_path, cfg, extra, tmp)
-        (tmp / "DONE").write_text(f"converted in {time.perf_counter() - t0:.1f} s\n")
+        _write_done(tmp, f"converted in {time.perf_counter() - t0:.1f} s")
 
-    _publish(out, fill)
+    publish_dir(out, fill, _complete)
     return out
 
 
+def _write_done(folder: Path, note: str) -> None:
+    """The last file a finished step writes: a note and the size of every other file, so that a
+    file cut short later (a full disk, a partial copy) makes the folder incomplete."""
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+    (folder / "DONE").write_text(json.dumps({"note": note, "sizes": sizes}, indent=1))
+
+
 def _complete(folder: Path) -> bool:
-    """A converted or -meta folder that a finished step wrote: DONE, and no TOKENIZER_ERROR (the mark
-    that caches before issue 46 left beside DONE when the tokenizer's load raised: rebuilt)."""
-    return (folder / "DONE").is_file() and not (folder / "TOKENIZER_ERROR").exists()
-
-
-def _publish(out: Path, fill) -> None:
-    """Build a cache folder as `<out>.tmp.<pid>` with `fill(tmp)`, then put it in `out`'s place. A
-    fill that raises leaves nothing behind, and `out` (if any) as it was; only a finished folder
-    gets the name that later loads look for."""
-    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """A converted or -meta folder that a finished step wrote and that is still whole: DONE, every
+    file it lists at its size, no TOKENIZER_ERROR (what caches before issue 46 left beside DONE
+    when the tokenizer's load raised), and no NO_TOKENIZER written under another transformers
+    version than this one (a newer one may load that tokenizer). A DONE of before issue 46 (plain
+    text, no sizes) stands when the rest holds."""
     try:
-        fill(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        done = (folder / "DONE").read_text()
+    except OSError:
+        return False
+    if (folder / "TOKENIZER_ERROR").exists():
+        return False
+    try:
+        sizes = json.loads(done).get("sizes", {})
+    except (ValueError, AttributeError):
+        sizes = {}
+    for name, size in sizes.items():
+        try:
+            if (folder / name).stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    note = folder / "NO_TOKENIZER"
+    if note.exists():
+        try:
+            recorded = json.loads(note.read_text()).get("transformers")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded is not None and recorded != _transformers_version():
+            return False
+    return True
+
+
+def _transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
 
 
 def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Path) -> None:
     """config.json, generation_config.json, mixserve_source.json and the tokenizer's files of a
-    GGUF into `folder`. A GGUF with no vocabulary gets a NO_TOKENIZER note (it runs on token ids).
+    GGUF into `folder`. A GGUF with no vocabulary, or with a tokenizer type this transformers
+    cannot build (ValueError, KeyError: bert, t5, ...), gets a NO_TOKENIZER note saying why (it runs
+    on token ids; the latter is retried under another transformers version).
 
-    Raises RuntimeError when the GGUF has a tokenizer and transformers cannot load it: that is a
-    fault of this install (issue 46: a module shadowing the `kernels` package), never a fact about
-    the model to cache.
+    Raises RuntimeError when loading the tokenizer raised ImportError, OSError or RuntimeError: a
+    fault of this install or machine (issue 46: a module shadowing the `kernels` package), never a
+    fact about the model to cache.
     """
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
     # which file this copy came from (quant/provenance.py reads its release name from there)
     (folder / "mixserve_source.json").write_text(json.dumps({"gguf": str(Path(gguf_path).resolve())}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg.eos_token_ids}))
     if not extra.get("has_tokenizer", True):
-        (folder / "NO_TOKENIZER").write_text("this GGUF carries no tokenizer.ggml.tokens: the model runs on token ids\n")
+        (folder / "NO_TOKENIZER").write_text(json.dumps(
+            {"why": "this GGUF carries no tokenizer.ggml.tokens: the model runs on token ids"}))
         return
     try:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
         tok.save_pretrained(str(folder))
-    except Exception as e:
+    except (ImportError, OSError, RuntimeError) as e:  # the install or the machine, not the model
         raise RuntimeError(f"the tokenizer in {gguf_path} could not be loaded by transformers: {e!r}. "
                            "Nothing was cached; the next load tries again") from e
+    except Exception as e:  # noqa: BLE001 -- a tokenizer type this transformers cannot build (bert, t5, ...)
+        # a fact about the file and this transformers version: kept with the version, so that
+        # another version tries again (_complete); the model still runs on token ids
+        (folder / "NO_TOKENIZER").write_text(json.dumps(
+            {"why": f"transformers {_transformers_version()} cannot build this GGUF's tokenizer: {e!r}",
+             "transformers": _transformers_version()}))
 
 
 def gguf_meta_dir(gguf_path: str | Path) -> Path:
@@ -286,9 +322,9 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
 
     def fill(tmp: Path) -> None:
         _write_meta(gguf_path, cfg, extra, tmp)
-        (tmp / "DONE").write_text("tokenizer and config only\n")
+        _write_done(tmp, "tokenizer and config only")
 
-    _publish(out, fill)
+    publish_dir(out, fill, _complete)
     return out
 
 
@@ -303,7 +339,13 @@ def load_tokenizer(spec: str | Path):
     r = resolve_model(spec)
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else Path(r.path)
     if not ((folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()):
-        raise ValueError(f"model {spec!r} has no tokenizer (in {folder})")
+        why = ""
+        if (folder / "NO_TOKENIZER").exists():
+            try:
+                why = ": " + json.loads((folder / "NO_TOKENIZER").read_text())["why"]
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        raise ValueError(f"model {spec!r} has no tokenizer (in {folder}){why}")
     return AutoTokenizer.from_pretrained(str(folder))
 
 

@@ -8,7 +8,6 @@ tokenizer and generation config, and mixserve_quant.json (method, calibration, t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict
@@ -61,18 +60,10 @@ def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tenso
                     report: QuantReport, source: Path, meta: dict) -> Path:
     """Write the folder atomically (a .tmp sibling renamed at the end; a write that raises removes
     it, so no half-written checkpoint ever has the folder's name). Returns the folder."""
-    out = Path(out)
-    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _fill(tmp, cfg, sd, qc, report, source, meta)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    from mixserve.env import publish_dir
+
+    return publish_dir(Path(out), lambda tmp: _fill(tmp, cfg, sd, qc, report, source, meta),
+                       lambda o: (o / "mixserve_quant.json").is_file() and not missing_pieces(o, source))
 
 
 def missing_pieces(out: Path, source: Path) -> list[str]:

@@ -1,4 +1,6 @@
 """Speculative decoding on real models: greedy output equals plain greedy (float32)."""
+import os
+
 import pytest
 
 from mixserve import SamplingParams
@@ -20,6 +22,10 @@ def test_smollm2_self_draft_accepts_everything(smollm2_path):
         assert m["spec_proposed"] > 0 and m["spec_accepted"] == m["spec_evaluated"]
 
 
+# the 1.5B target: a 1.1 GB pull and a 6 GB float32 conversion on a fresh cache root, so opt-in as
+# the 1.5B native test; the draft/target mechanics on real weights stay in the suite (SmolLM2 self
+# draft here, the 0.5B self and n-gram drafts in test_batch_invariance_real.py)
+@pytest.mark.skipif(not os.environ.get("MIXSERVE_TEST_LARGE"), reason="set MIXSERVE_TEST_LARGE=1 for the 1.5B")
 def test_qwen_pair_humaneval_greedy_equals_plain():
     from mixserve.data.datasets import load_humaneval
 

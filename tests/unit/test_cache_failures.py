@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -164,7 +166,7 @@ def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog):
 
     def boom():
         raise RuntimeError("oneDNN primitive failed")
-    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     with pytest.raises(RuntimeError, match="oneDNN primitive failed"):  # the caller falls back (eager)
         c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": boom}, "plain")
     assert not path.exists() and "dense_linear/x" not in c.choices
@@ -172,16 +174,16 @@ def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog):
         assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: float("nan")}, "plain") == "plain"
     assert "timed as NaN" in caplog.text and "not cached" in caplog.text
     assert c.choices["dense_linear/x"].source == "measured, not cached" and not path.exists()
-    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: 1.0}, "plain") == "onednn"
     assert c.choices["dense_linear/x"].source == "measured" and path.exists()
     with pytest.raises(RuntimeError, match="every candidate"):
-        KernelChooser(path, overrides={}, machine="cpu A | torch 1").choose("k/y", {"a": lambda: float("nan")}, "a")
+        KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure").choose("k/y", {"a": lambda: float("nan")}, "a")
     # a NaN that an older mixserve cached is measured again, not used
     data = json.loads(path.read_text())
     data["machines"]["cpu A | torch 1"]["dense_linear/x"]["timings"]["plain"] = float("nan")
     path.write_text(json.dumps(data))
-    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: 1.0}, "plain")
     assert c.choices["dense_linear/x"].source == "measured"
 
@@ -230,3 +232,92 @@ def test_a_cpp_build_that_fails_leaves_no_folder_and_a_broken_library_is_rebuilt
     assert "does not load" in caplog.text and len(calls) == 3
     assert [p.name for p in cpu_dir.iterdir()] == [built.name]
     cpp_build._built.pop("mixserve_test_k")
+
+
+# -- what a killed, raced or damaged step leaves -----------------------------------------------
+def test_a_killed_builds_temporary_folder_is_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+
+    from mixserve.env import remove_stale_tmp
+
+    out = tmp_path / "m.gguf.mixserve"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"m.gguf.mixserve.tmp.{dead.pid}").mkdir()
+    live = tmp_path / f"m.gguf.mixserve.tmp.{os.getpid()}"
+    live.mkdir()
+    remove_stale_tmp(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def test_a_file_cut_short_after_done_makes_the_folder_rebuilt(tmp_path):
+    src = write_gguf(tmp_path / "m.gguf")
+    folder = convert_gguf(src, progress=False)
+    weights_file = folder / "model.safetensors"
+    size = weights_file.stat().st_size
+    with open(weights_file, "r+b") as f:
+        f.truncate(size // 2)  # a full disk or a partial copy
+    assert not weights._complete(folder)
+    assert convert_gguf(src, progress=False) == folder and weights_file.stat().st_size == size
+
+
+def test_a_publish_that_loses_a_race_keeps_the_winners_folder(tmp_path, monkeypatch):
+    from mixserve import env
+
+    out = tmp_path / "x"
+
+    def fill(tmp):
+        (tmp / "f").write_text("mine")
+        out.mkdir()  # another process renamed its finished folder into place meanwhile
+        (out / "f").write_text("theirs")
+    import shutil
+
+    real = shutil.rmtree
+    # publish_dir clears `out` before its rename; the winner's folder arrives after that
+    monkeypatch.setattr(shutil, "rmtree", lambda p, ignore_errors=False: None if Path(p) == out
+                        else real(p, ignore_errors=ignore_errors))
+    assert env.publish_dir(out, fill, lambda o: (o / "f").exists()) == out
+    assert (out / "f").read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_a_tokenizer_type_transformers_cannot_build_is_noted_per_version(tmp_path, monkeypatch):
+    import transformers
+
+    src = write_gguf(tmp_path / "m.gguf")
+
+    def unsupported(*a, **k):
+        raise ValueError("Cannot build a tokenizer from GGUF files with type 'bert'")
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", unsupported)
+        folder = gguf_meta_dir(src)  # the model still runs on token ids
+    note = json.loads((folder / "NO_TOKENIZER").read_text())
+    assert "'bert'" in note["why"] and note["transformers"] == transformers.__version__
+    with pytest.raises(ValueError, match="has no tokenizer.*cannot build this GGUF's tokenizer"):
+        load_tokenizer(src)
+    monkeypatch.setattr(weights, "_transformers_version", lambda: "99.0")  # another transformers: tried again
+    assert not weights._complete(folder)
+    assert (gguf_meta_dir(src) / "tokenizer.json").is_file()
+
+
+def test_a_build_folder_without_a_library_is_replaced_by_one_build(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    from mixserve.layers import cpp_build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    calls = []
+
+    def fake_load_inline(name, build_directory, **k):
+        calls.append(build_directory)
+        open(f"{build_directory}/{name}.so", "wb").write(b"\x7fELF")
+        return "module"
+    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    assert cpp_build.build_extension("mixserve_test_k2", "// src", ["f"]) == "module"
+    built = next((tmp_path / "mixserve" / "kernels").glob("torch-*/*/mixserve_test_k2-*"))
+    cpp_build._built.pop("mixserve_test_k2")
+    (built / "mixserve_test_k2.so").unlink()
+    (built / "build.ninja").write_text("stale")  # a folder left by a build of before the fix
+    assert cpp_build.build_extension("mixserve_test_k2", "// src", ["f"]) == "module"
+    assert sorted(p.name for p in built.iterdir()) == ["mixserve_test_k2.so"] and len(calls) == 2
+    cpp_build._built.pop("mixserve_test_k2")

@@ -22,30 +22,30 @@ def stub(seconds, calls):
 def test_faster_candidate_chosen_and_cached(tmp_path):
     path = tmp_path / "choices.json"
     calls = []
-    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     assert c.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
     assert c.choices["dense_linear/x"].source == "measured"
     assert len(calls) == 2
     saved = json.loads(path.read_text())
     assert saved["machines"]["cpu A | torch 1"]["dense_linear/x"]["name"] == "onednn"
     # a new process on the same machine reads the cache and measures nothing
-    c2 = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c2 = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     assert c2.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
     assert c2.choices["dense_linear/x"].source == "cache" and len(calls) == 2
     # another CPU model (or torch version) measures for itself, beside the first
-    c3 = KernelChooser(path, overrides={}, machine="cpu B | torch 1")
+    c3 = KernelChooser(path, overrides={}, machine="cpu B | torch 1", timing="measure")
     assert c3.choose("dense_linear/x", {"plain": stub(1.0, calls), "onednn": stub(3.0, calls)}, "plain") == "plain"
     assert len(calls) == 4
     saved = json.loads(path.read_text())
     assert set(saved["machines"]) == {"cpu A | torch 1", "cpu B | torch 1"}
     # a kernel added since the cache was written is measured, not ignored
-    c4 = KernelChooser(path, overrides={}, machine="cpu A | torch 1")
+    c4 = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     three = {"plain": stub(2.0, calls), "onednn": stub(1.0, calls), "gemv": stub(0.5, calls)}
     assert c4.choose("dense_linear/x", three, "plain") == "gemv" and len(calls) == 7
 
 
 def test_eager_kept_unless_beaten_by_the_margin(tmp_path):
-    c = KernelChooser(tmp_path / "c.json", overrides={}, machine="m")
+    c = KernelChooser(tmp_path / "c.json", overrides={}, machine="m", timing="measure")
     # 1% faster is timing noise: never trade the eager path for it
     assert c.choose("k1", {"sdpa": lambda: 1.0, "bmm": lambda: 0.99}, "sdpa") == "sdpa"
     assert c.choose("k2", {"sdpa": lambda: 1.0, "bmm": lambda: 0.5}, "sdpa") == "bmm"
@@ -58,7 +58,7 @@ def test_corrupt_cache_is_ignored_and_remeasured(tmp_path, garbage):
     path = tmp_path / "c.json"
     path.write_text(garbage)
     calls = []
-    c = KernelChooser(path, overrides={}, machine="m")
+    c = KernelChooser(path, overrides={}, machine="m", timing="measure")
     assert c.choose("k", {"a": stub(2.0, calls), "b": stub(1.0, calls)}, "a") == "b"
     assert len(calls) == 2 and c.choices["k"].source == "measured"
     assert json.loads(path.read_text())["machines"]["m"]["k"]["name"] == "b"  # and repaired
@@ -67,7 +67,7 @@ def test_corrupt_cache_is_ignored_and_remeasured(tmp_path, garbage):
 def test_unwritable_cache_still_chooses(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    c = KernelChooser(blocker / "sub" / "c.json", overrides={}, machine="m")  # a file where a folder should be
+    c = KernelChooser(blocker / "sub" / "c.json", overrides={}, machine="m", timing="measure")  # a file where a folder should be
     assert c.choose("k", {"a": lambda: 2.0, "b": lambda: 1.0}, "a") == "b"
 
 
@@ -79,7 +79,7 @@ def test_cache_that_is_a_folder_or_another_version_is_left_alone(tmp_path, caplo
     other = tmp_path / "v9.json"
     other.write_text(json.dumps({"version": 9, "machines": {"m": {"k": {"name": "zzz"}}}}))
     for path in (folder, other):
-        c = KernelChooser(path, overrides={}, machine="m")
+        c = KernelChooser(path, overrides={}, machine="m", timing="measure")
         with caplog.at_level("WARNING", logger="mixserve"):
             assert c.choose("k", {"a": lambda: 2.0, "b": lambda: 1.0}, "a") == "b"
         assert "not cached" in caplog.text
@@ -90,13 +90,13 @@ def test_cache_that_is_a_folder_or_another_version_is_left_alone(tmp_path, caplo
 def test_overrides(tmp_path):
     calls = []
     c = KernelChooser(tmp_path / "c.json", overrides=parse_overrides("dense_linear=plain,dense_linear/bf16/9x9=onednn"),
-                      machine="m")
+                      machine="m", timing="measure")
     # the longest matching key prefix wins; nothing is measured
     assert c.choose("dense_linear/bf16/9x9", {"plain": stub(1, calls), "onednn": stub(2, calls)}, "plain") == "onednn"
     assert c.choose("dense_linear/bf16/4x4", {"plain": stub(2, calls), "onednn": stub(1, calls)}, "plain") == "plain"
     assert calls == [] and c.choices["dense_linear/bf16/4x4"].source == "override"
     with pytest.raises(ValueError, match="no candidate 'fast'"):
-        KernelChooser(tmp_path / "c.json", overrides={"k": "fast"}, machine="m").choose("k", {"a": lambda: 1}, "a")
+        KernelChooser(tmp_path / "c.json", overrides={"k": "fast"}, machine="m", timing="measure").choose("k", {"a": lambda: 1}, "a")
     assert parse_overrides("eager") == EAGER
     with pytest.raises(ValueError, match="KEY=NAME"):
         parse_overrides("onednn")
@@ -107,11 +107,11 @@ def test_overrides(tmp_path):
 
 def test_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXSERVE_KERNELS", "decode_attention=bmm")
-    c = KernelChooser(tmp_path / "c.json", machine="m")
+    c = KernelChooser(tmp_path / "c.json", machine="m", timing="measure")
     assert c.choose("decode_attention/bf16/1x1x1", {"sdpa": lambda: 1.0, "bmm": lambda: 2.0}, "sdpa") == "bmm"
     monkeypatch.setenv("MIXSERVE_KERNELS", "fastest")
     with pytest.raises(ValueError, match="MIXSERVE_KERNELS .environment.: kernels: 'fastest' is not KEY=NAME"):
-        KernelChooser(tmp_path / "c.json", machine="m")
+        KernelChooser(tmp_path / "c.json", machine="m", timing="measure")
 
 
 def test_amx_only_where_the_permission_request_succeeds(monkeypatch):
@@ -301,3 +301,20 @@ def test_primitive_caches_bounded_unless_the_user_set_them(monkeypatch):
 
     assert os.environ["LRU_CACHE_CAPACITY"] == str(PRIMITIVE_CACHE_CAPACITY)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "300"  # the user's value stands
+
+
+def test_prior_timing_times_nothing_caches_nothing_and_uses_the_cache(tmp_path, monkeypatch):
+    path, calls = tmp_path / "c.json", []
+    c = KernelChooser(path, overrides={}, machine="m", timing="prior")
+    assert c.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "plain"
+    assert calls == [] and c.choices["dense_linear/x"].source == "prior" and not path.exists()
+    KernelChooser(path, overrides={}, machine="m", timing="measure").choose(
+        "dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain")
+    c = KernelChooser(path, overrides={}, machine="m", timing="prior")  # a measured choice on disk is used
+    assert c.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
+    assert c.choices["dense_linear/x"].source == "cache" and len(calls) == 2
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "sometimes")
+    with pytest.raises(ValueError, match="measure or prior.*MIXSERVE_KERNEL_TIMING"):
+        KernelChooser(path, overrides={}, machine="m")
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "prior")
+    assert KernelChooser(path, overrides={}, machine="m").timing == "prior"

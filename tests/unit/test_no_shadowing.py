@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ def _top_level_names(folder: Path) -> set[str]:
     return names
 
 
-def test_no_script_or_test_module_has_the_import_name_of_an_installed_distribution():
+def test_no_script_or_test_module_has_the_import_name_of_an_installed_distribution_or_the_stdlib():
     installed = importlib.metadata.packages_distributions()
     assert "torch" in installed and "transformers" in installed  # the map is real, not empty
     clashes = []
@@ -32,21 +33,44 @@ def test_no_script_or_test_module_has_the_import_name_of_an_installed_distributi
         for name in sorted(_top_level_names(folder)):
             if name in installed and name != "mixserve":
                 clashes.append(f"{folder.relative_to(ROOT.parent)}/{name} shadows {installed[name]}")
+            elif name in sys.stdlib_module_names:  # benchmarks/tokenize.py would break `import tokenize`
+                clashes.append(f"{folder.relative_to(ROOT.parent)}/{name} shadows the standard library's")
     assert not clashes, clashes
 
 
+_MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear", "reverse", "sort", "__setitem__",
+             "__delitem__", "__iadd__"}
+
+
 def _mutates_sys_path(tree: ast.AST) -> list[int]:
+    """Lines that change sys.path: its mutating methods, assignment to it or an item or slice of
+    it, `del` of an item, through any name `sys` or `sys.path` was imported as; and
+    site.addsitedir or setattr(sys, "path", ...)."""
+    sys_names, path_names = {"sys"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            sys_names |= {a.asname for a in node.names if a.name == "sys" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "sys":
+            path_names |= {a.asname or a.name for a in node.names if a.name == "path"}
+
+    def is_path(e) -> bool:
+        return ((isinstance(e, ast.Attribute) and e.attr == "path" and isinstance(e.value, ast.Name)
+                 and e.value.id in sys_names) or (isinstance(e, ast.Name) and e.id in path_names))
+
     lines = []
     for node in ast.walk(tree):
-        target = None
+        hit = False
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            target = node.func.value  # sys.path.insert(...), sys.path.append(...), ...
-        elif isinstance(node, (ast.Assign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                target = t.value if isinstance(t, ast.Subscript) else t
-        if (isinstance(target, ast.Attribute) and target.attr == "path" and isinstance(target.value, ast.Name)
-                and target.value.id == "sys"):
+            f = node.func
+            hit = ((f.attr in _MUTATORS and is_path(f.value))
+                   or (f.attr == "addsitedir" and isinstance(f.value, ast.Name) and f.value.id == "site"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            hit = (len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id in sys_names
+                   and isinstance(node.args[1], ast.Constant) and node.args[1].value == "path")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            hit = any(is_path(t.value if isinstance(t, ast.Subscript) else t) for t in targets)
+        if hit:
             lines.append(node.lineno)
     return sorted(lines)
 
@@ -62,4 +86,8 @@ def test_no_test_or_script_changes_sys_path():
 def test_the_sys_path_check_sees_each_form():
     src = "import sys\nsys.path.insert(0, 'x')\nsys.path.append('y')\nsys.path[:0] = ['z']\nsys.path += ['w']\n"
     assert _mutates_sys_path(ast.parse(src)) == [2, 3, 4, 5]
-    assert _mutates_sys_path(ast.parse("import sys\nprint(sys.path[0])\nx = list(sys.path)\n")) == []
+    aliased = ("import sys as s\nfrom sys import path as p\nimport site\ns.path.insert(0, 'x')\np.append('y')\n"
+               "site.addsitedir('z')\nsetattr(s, 'path', [])\ndel p[0]\n")
+    assert _mutates_sys_path(ast.parse(aliased)) == [4, 5, 6, 7, 8]
+    reads = "import sys\nprint(sys.path[0])\nx = list(sys.path)\ni = sys.path.index('a')\nc = sys.path.copy()\n"
+    assert _mutates_sys_path(ast.parse(reads)) == []
