@@ -25,6 +25,22 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "mixserve"
 
 
+# the user's own choice, read before torch could write its default there: Inductor's cache_dir()
+# stores /tmp/torchinductor_<user> in the environment on its first call, which made a later
+# setdefault a no-op, and compiled graphs landed outside the cache root (unkept by it, shared by
+# every checkout and CI run)
+_USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def pin_inductor_cache() -> str:
+    """Point Inductor's compiled-code cache at `<cache root>/inductor`, unless the user set
+    TORCHINDUCTOR_CACHE_DIR before mixserve was imported. Returns the folder in force."""
+    if _USER_INDUCTOR_DIR:
+        return _USER_INDUCTOR_DIR
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

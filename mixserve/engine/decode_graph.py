@@ -20,14 +20,13 @@ says otherwise), so only a machine's first start pays the compile (stated by `de
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 import types
 
 import torch
 
-from mixserve.env import cache_root
+from mixserve.env import pin_inductor_cache
 
 log = logging.getLogger("mixserve")
 
@@ -85,7 +84,7 @@ class DecodeGraph:
     """
 
     def __init__(self, model, block_size: int, max_blocks: int, max_rows: int):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        pin_inductor_cache()
         self.model = model
         self.block_size = block_size
         self.max_rows = max_rows

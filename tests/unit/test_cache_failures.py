@@ -321,3 +321,14 @@ def test_a_build_folder_without_a_library_is_replaced_by_one_build(tmp_path, mon
     assert cpp_build.build_extension("mixserve_test_k2", "// src", ["f"]) == "module"
     assert sorted(p.name for p in built.iterdir()) == ["mixserve_test_k2.so"] and len(calls) == 2
     cpp_build._built.pop("mixserve_test_k2")
+
+
+def test_compiled_graphs_go_under_the_cache_root_even_after_torch_wrote_its_default(tmp_path, monkeypatch):
+    from mixserve import env
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(env, "_USER_INDUCTOR_DIR", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_root")  # what Inductor's first call stores
+    assert env.pin_inductor_cache() == str(tmp_path / "mixserve" / "inductor") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setattr(env, "_USER_INDUCTOR_DIR", "/srv/inductor")  # the user's own setting stands
+    assert env.pin_inductor_cache() == "/srv/inductor"
