@@ -255,20 +255,67 @@ class KernelChooser:
                 raise ValueError(f"kernels: {key} has no candidate {forced!r} (candidates: {', '.join(candidates)})")
             self.choices[key] = Choice(key, forced, "override")
             return forced
+        if self._from_cache(key, candidates):
+            return self.choices[key].name
+        if self.timing == "prior":
+            self.choices[key] = Choice(key, self._eager(key, candidates, eager), "prior")
+            return eager
+        # one process of a machine times at a time (two at once would each slow the other's
+        # timings and cache inflated figures); another one runs the prior meanwhile, uncached
+        lock = self._try_lock()
+        if lock is False:
+            log.warning("kernels: another process is timing kernels (%s); %s runs %s here for now, not cached",
+                        self.path.name + ".lock", key, eager)
+            self.choices[key] = Choice(key, self._eager(key, candidates, eager), "prior (another process was timing)")
+            return eager
+        try:
+            if self._from_cache(key, candidates):  # that process may have just timed this one
+                return self.choices[key].name
+            return self._measure(key, candidates, eager)
+        finally:
+            if lock is not None:
+                lock.close()
+
+    @staticmethod
+    def _eager(key: str, candidates: dict, eager: str) -> str:
+        if eager not in candidates:
+            raise ValueError(f"kernels: {key}: the eager candidate {eager!r} is not among {', '.join(candidates)}")
+        return eager
+
+    def _from_cache(self, key: str, candidates: dict) -> bool:
+        """Take `key`'s cached choice into self.choices where there is a valid one. A cached choice
+        stands only for the same candidates (a new kernel gets measured) and finite timings."""
         cached = self._read().get("machines", {})
         cached = cached.get(self.machine, {}) if isinstance(cached, dict) else {}
         hit = cached.get(key) if isinstance(cached, dict) else None
-        # a cached choice stands only for the same candidates: a new kernel gets measured
         if (isinstance(hit, dict) and hit.get("name") in candidates and isinstance(hit.get("timings"), dict)
                 and set(hit["timings"]) == set(candidates)
                 and all(isinstance(v, (int, float)) and not math.isnan(v) for v in hit["timings"].values())):
             self.choices[key] = Choice(key, hit["name"], "cache", dict(hit["timings"]))
-            return hit["name"]
-        if self.timing == "prior":
-            if eager not in candidates:
-                raise ValueError(f"kernels: {key}: the eager candidate {eager!r} is not among {', '.join(candidates)}")
-            self.choices[key] = Choice(key, eager, "prior")
-            return eager
+            return True
+        return False
+
+    def _try_lock(self):
+        """An open file holding an exclusive lock on `<cache>.lock`; False when another process
+        holds it; None where no lock file can be made (a read-only or odd cache path: time anyway)."""
+        import fcntl
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path.with_name(self.path.name + ".lock"), "a")
+        except OSError:
+            return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return False
+        except OSError:
+            f.close()
+            return None
+        return f
+
+    def _measure(self, key: str, candidates: dict, eager: str) -> str:
         # a warning, not info: a first start is silent for up to a minute otherwise
         log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
         # a timing that raises propagates before anything is written; one that came out NaN is left

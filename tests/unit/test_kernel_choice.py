@@ -318,3 +318,16 @@ def test_prior_timing_times_nothing_caches_nothing_and_uses_the_cache(tmp_path, 
         KernelChooser(path, overrides={}, machine="m")
     monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "prior")
     assert KernelChooser(path, overrides={}, machine="m").timing == "prior"
+
+
+def test_a_second_process_timing_at_once_runs_the_prior_and_caches_nothing(tmp_path):
+    import fcntl
+
+    path, calls = tmp_path / "c.json", []
+    with open(tmp_path / "c.json.lock", "a") as other:  # another process is timing
+        fcntl.flock(other, fcntl.LOCK_EX)
+        c = KernelChooser(path, overrides={}, machine="m", timing="measure")
+        assert c.choose("k", {"a": stub(2.0, calls), "b": stub(1.0, calls)}, "a") == "a"
+        assert calls == [] and c.choices["k"].source.startswith("prior") and not path.exists()
+    c = KernelChooser(path, overrides={}, machine="m", timing="measure")  # the lock is free again
+    assert c.choose("k", {"a": stub(2.0, calls), "b": stub(1.0, calls)}, "a") == "b" and len(calls) == 2
