@@ -56,7 +56,7 @@ def _capture(engine, into: dict):
 
 
 @pytest.mark.parametrize("invariant", ["on", "off"])
-def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant):
+def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant, monkeypatch):
     """bf16, --batch-invariant off: a (k+1)-row verification forward and a 1-row decode step round
     the body's activations differently, so their logits differ by a small noise; speculative greedy
     may then leave plain greedy only where plain's top-2 gap is within that noise. The noise is
@@ -66,6 +66,9 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     both ways, and speculative greedy is plain greedy outright."""
     prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
                "import json\n\ndef load(path):"]
+    # the kernels this machine measures (the suite's default is the eager ones, conftest.py): the
+    # bf16 noise, and so the outright matches counted below, depend on which kernel rounds
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
               batch_invariant=invariant)
