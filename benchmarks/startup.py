@@ -61,7 +61,11 @@ def fresh_root(model_file: Path, name: str) -> Path:
 def run_once(code: Path, root: Path, argv: list[str]) -> dict:
     """One `mixserve generate` process: wall seconds, phase ends and sums, its exit code."""
     log = Path(tempfile.mkstemp(prefix="startup-", suffix=".jsonl")[1])
-    env = {**os.environ, "XDG_CACHE_HOME": str(root), "MIXSERVE_STARTUP_LOG": str(log),
+    # caches and modes set in the caller's environment would make a cold run warm or untimed
+    inherited = {k: v for k, v in os.environ.items() if k not in (
+        "TORCHINDUCTOR_CACHE_DIR", "MIXSERVE_KERNEL_CACHE", "MIXSERVE_KERNEL_TIMING", "MIXSERVE_KERNELS",
+        "MIXSERVE_NO_CPP_KERNELS")}
+    env = {**inherited, "XDG_CACHE_HOME": str(root), "MIXSERVE_STARTUP_LOG": str(log),
            "PYTHONPATH": str(code) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "mixserve.cli", "generate", *argv], cwd=code, env=env,

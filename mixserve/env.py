@@ -32,10 +32,19 @@ def cache_root() -> Path:
 _USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
+def _is_torch_default(path: str) -> bool:
+    """Inductor's own default (<tmp>/torchinductor_<user>), which its first call writes into the
+    environment: a value found there is torch's, not a choice of the user's."""
+    import tempfile
+
+    p = Path(path)
+    return p.name.startswith("torchinductor_") and str(p.parent) == tempfile.gettempdir()
+
+
 def pin_inductor_cache() -> str:
     """Point Inductor's compiled-code cache at `<cache root>/inductor`, unless the user set
     TORCHINDUCTOR_CACHE_DIR before mixserve was imported. Returns the folder in force."""
-    if _USER_INDUCTOR_DIR:
+    if _USER_INDUCTOR_DIR and not _is_torch_default(_USER_INDUCTOR_DIR):
         return _USER_INDUCTOR_DIR
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -51,41 +60,61 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def tmp_sibling(out: Path) -> Path:
+    """Where a build of `out` is written before it is renamed into place: `<out>.tmp.<host>.<pid>`.
+    The host name keeps a build of another machine or container (a shared cache, whose pids mean
+    nothing here) from ever looking dead to remove_stale_tmp."""
+    import socket
+
+    host = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname()) or "host"
+    return out.with_name(f"{out.name}.tmp.{host}.{os.getpid()}")
+
+
 def remove_stale_tmp(out: Path) -> None:
-    """Remove `<out>.tmp.<pid>` siblings whose process is gone: what a build killed mid-way (SIGKILL,
-    out of memory) left. A live process's folder is left to it."""
+    """Remove `<out>.tmp.<host>.<pid>` siblings of this host whose process is gone: what a build
+    killed mid-way (SIGKILL, out of memory) left. A live process's folder, and any other host's,
+    is left alone."""
     import shutil
 
+    prefix = tmp_sibling(out).name.rsplit(".", 1)[0] + "."
     for p in out.parent.glob(f"{out.name}.tmp.*"):
-        pid = p.name.rsplit(".", 1)[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        pid = p.name[len(prefix):] if p.name.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
 
 def publish_dir(out: Path, fill, complete) -> Path:
-    """Build a cache folder as `<out>.tmp.<pid>` with `fill(tmp)`, then rename it to `out`: a fill
+    """Build a cache folder in tmp_sibling(out) with `fill(tmp)`, then move it to `out`: a fill
     that raises (or a process killed mid-way) leaves no folder under the name later loads look
     for, and `out`, if any, as it was. Stale temporary siblings of dead processes are removed
-    first. Where another process published `out` first (the rename fails and `complete(out)`
-    holds), its folder is kept. Returns `out`. Raises what `fill` raises, or OSError."""
+    first. Where another process published a complete `out` meanwhile, its folder is kept and
+    ours dropped; an incomplete `out` is moved aside before ours is renamed in, so a reader sees
+    a missing folder for two renames' time at most, never a half-written one. Returns `out`.
+    Raises what `fill` raises, or OSError."""
     import shutil
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(out)
-    tmp = out.with_name(f"{out.name}.tmp.{os.getpid()}")
+    tmp = tmp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         fill(tmp)
+        if complete(out):  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
+        old = out.with_name(tmp.name.replace(".tmp.", ".old.", 1))
         if out.is_symlink() or out.is_file():
             out.unlink()
-        shutil.rmtree(out, ignore_errors=True)
+        elif out.exists():
+            out.rename(old)
         try:
             tmp.rename(out)
         except OSError:
             if not complete(out):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race with the same result
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,7 +16,7 @@ import time
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import cache_root, cpu_isa_key, cpu_model, remove_stale_tmp
+from mixserve.env import cache_root, cpu_isa_key, cpu_model, remove_stale_tmp, tmp_sibling
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
@@ -75,7 +75,7 @@ def _build(name: str, source: str, functions: list[str], build):
     log.warning("compiling C++ kernel %s (once per machine and source; cached in %s)", name, build.parent)
     remove_stale_tmp(build)
     shutil.rmtree(build, ignore_errors=True)  # a folder without a loadable library: not a build
-    tmp = build.with_name(f"{build.name}.tmp.{os.getpid()}")
+    tmp = tmp_sibling(build)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

@@ -6,6 +6,7 @@ GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Dequantiza
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -198,7 +199,9 @@ def converted_dir(gguf_path: str | Path) -> Path:
     from mixserve.env import cache_root
 
     st = gguf_path.stat()
-    return cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}{CONVERTED_SUFFIX}"
+    # two files of one name and size (another folder, or one replaced in place) must not share it
+    ident = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}-{ident}{CONVERTED_SUFFIX}"
 
 
 def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
@@ -245,7 +248,9 @@ def _complete(folder: Path) -> bool:
     try:
         sizes = json.loads(done).get("sizes", {})
     except (ValueError, AttributeError):
-        sizes = {}
+        sizes = {}  # a plain-text DONE of before issue 46
+    if not isinstance(sizes, dict):
+        return False
     for name, size in sizes.items():
         try:
             if (folder / name).stat().st_size != size:
@@ -278,8 +283,8 @@ def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Pa
     cannot build (ValueError, KeyError: bert, t5, ...), gets a NO_TOKENIZER note saying why (it runs
     on token ids; the latter is retried under another transformers version).
 
-    Raises RuntimeError when loading the tokenizer raised ImportError, OSError or RuntimeError: a
-    fault of this install or machine (issue 46: a module shadowing the `kernels` package), never a
+    Raises RuntimeError when loading the tokenizer raised anything else (ImportError, OSError,
+    MemoryError, AttributeError, ...): a fault of this install or machine (issue 46: a module shadowing the `kernels` package), never a
     fact about the model to cache.
     """
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
@@ -295,15 +300,15 @@ def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Pa
 
         tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
         tok.save_pretrained(str(folder))
-    except (ImportError, OSError, RuntimeError) as e:  # the install or the machine, not the model
-        raise RuntimeError(f"the tokenizer in {gguf_path} could not be loaded by transformers: {e!r}. "
-                           "Nothing was cached; the next load tries again") from e
-    except Exception as e:  # noqa: BLE001 -- a tokenizer type this transformers cannot build (bert, t5, ...)
-        # a fact about the file and this transformers version: kept with the version, so that
-        # another version tries again (_complete); the model still runs on token ids
+    except (ValueError, KeyError, NotImplementedError) as e:  # a tokenizer type it cannot build (bert, t5)
+        # a fact about the file and these library versions: kept with them, so that other versions
+        # try again (_complete); the model still runs on token ids
         (folder / "NO_TOKENIZER").write_text(json.dumps(
             {"why": f"transformers {_transformers_version()} cannot build this GGUF's tokenizer: {e!r}",
              "transformers": _transformers_version()}))
+    except Exception as e:  # the install or the machine (ImportError, MemoryError, ...), not the model
+        raise RuntimeError(f"the tokenizer in {gguf_path} could not be loaded by transformers: {e!r}. "
+                           "Nothing was cached; the next load tries again") from e
 
 
 def gguf_meta_dir(gguf_path: str | Path) -> Path:

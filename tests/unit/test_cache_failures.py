@@ -240,14 +240,19 @@ def test_a_killed_builds_temporary_folder_is_removed_and_a_live_ones_kept(tmp_pa
 
     from mixserve.env import remove_stale_tmp
 
+    from mixserve.env import tmp_sibling
+
     out = tmp_path / "m.gguf.mixserve"
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / f"m.gguf.mixserve.tmp.{dead.pid}").mkdir()
-    live = tmp_path / f"m.gguf.mixserve.tmp.{os.getpid()}"
+    here = tmp_sibling(out).name.rsplit(".", 1)[0]
+    (tmp_path / f"{here}.{dead.pid}").mkdir()
+    live = tmp_path / f"{here}.{os.getppid()}"
     live.mkdir()
+    elsewhere = tmp_path / f"m.gguf.mixserve.tmp.other-host.{dead.pid}"  # a shared cache's other machine
+    elsewhere.mkdir()
     remove_stale_tmp(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name])
 
 
 def test_a_file_cut_short_after_done_makes_the_folder_rebuilt(tmp_path):
@@ -332,3 +337,31 @@ def test_compiled_graphs_go_under_the_cache_root_even_after_torch_wrote_its_defa
     assert env.pin_inductor_cache() == str(tmp_path / "mixserve" / "inductor") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setattr(env, "_USER_INDUCTOR_DIR", "/srv/inductor")  # the user's own setting stands
     assert env.pin_inductor_cache() == "/srv/inductor"
+    monkeypatch.setattr(env, "_USER_INDUCTOR_DIR", "/tmp/torchinductor_root")  # torch wrote it before our import
+    assert env.pin_inductor_cache() == str(tmp_path / "mixserve" / "inductor")
+
+
+def test_a_transient_failure_while_loading_the_tokenizer_is_not_cached_as_no_tokenizer(tmp_path, monkeypatch):
+    import transformers
+
+    src = write_gguf(tmp_path / "m.gguf")
+
+    def oom(*a, **k):
+        raise MemoryError()
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", oom)
+        with pytest.raises(RuntimeError, match="MemoryError.*Nothing was cached"):
+            gguf_meta_dir(src)
+    assert (gguf_meta_dir(src) / "tokenizer.json").is_file()
+
+
+def test_converted_copies_in_the_cache_are_keyed_by_the_files_identity(tmp_path, monkeypatch):
+    # a GGUF in a read-only folder converts under the cache root: two files of one name and size
+    # (other folders, or one replaced in place) must not share a copy
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(weights.os, "access", lambda p, mode: False)
+    a = write_gguf((tmp_path / "a").mkdir() or tmp_path / "a" / "m.gguf")
+    b = write_gguf((tmp_path / "b").mkdir() or tmp_path / "b" / "m.gguf")
+    assert a.stat().st_size == b.stat().st_size
+    assert weights.converted_dir(a) != weights.converted_dir(b)
+    assert weights.converted_dir(a).parent == tmp_path / "xdg" / "mixserve" / "converted"
