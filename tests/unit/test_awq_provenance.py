@@ -9,38 +9,7 @@ import pytest
 from mixserve.quant.awq import AWQConfig
 from mixserve.quant.checkpoint import quantize
 from mixserve.quant.provenance import folder_release, quantized_release, release_warning
-
-HIDDEN, INTER, VOCAB = 64, 128, 96
-
-
-def write_float_gguf(path, name):
-    """A one-block float32 llama GGUF whose general.name is `name`."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(name)
-    w.add_block_count(1)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_context_length(128)
-    w.add_eos_token_id(1)
-    rng = np.random.default_rng(0)
-    r = lambda *s: (0.05 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-    w.add_tensor("token_embd.weight", r(VOCAB, HIDDEN))
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for kind, shape in {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-                        "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
-                        "ffn_down": (HIDDEN, INTER)}.items():
-        w.add_tensor(f"blk.0.{kind}.weight", r(*shape))
-    for norm in ("attn_norm", "ffn_norm"):
-        w.add_tensor(f"blk.0.{norm}.weight", np.ones(HIDDEN, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+from tests.tiny_gguf import HIDDEN, INTER, VOCAB, write_float_gguf  # noqa: F401
 
 
 @pytest.mark.parametrize("name, expect", [("Tiny Coder 1B Instruct AWQ", True), ("tiny-1b-gptq-int4", True),

@@ -15,53 +15,17 @@ import logging
 import os
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 
 from mixserve.models import weights
 from mixserve.models.weights import convert_gguf, gguf_meta_dir, load_tokenizer
+from tests.tiny_gguf import write_float_gguf
 
-HIDDEN, INTER, VOCAB = 64, 128, 258
 
 
 def write_gguf(path, tokenizer: bool = True):
-    """A one-block float32 llama GGUF; with `tokenizer`, a byte-level BPE vocabulary (256 byte
-    tokens, one merge "a b", an end token) that transformers turns into a real tokenizer."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_context_length(128)
-    w.add_eos_token_id(VOCAB - 1)
-    if tokenizer:
-        b2u = bytes_to_unicode()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        w.add_token_list([b2u[i] for i in range(256)] + ["ab", "<|end|>"])
-        w.add_token_types([1] * (VOCAB - 1) + [3])
-        w.add_token_merges(["a b"])
-    rng = np.random.default_rng(0)
-    r = lambda *s: (0.05 * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-    w.add_tensor("token_embd.weight", r(VOCAB, HIDDEN))
-    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for kind, shape in {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // 2, HIDDEN), "attn_v": (HIDDEN // 2, HIDDEN),
-                        "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
-                        "ffn_down": (HIDDEN, INTER)}.items():
-        w.add_tensor(f"blk.0.{kind}.weight", r(*shape))
-    for norm in ("attn_norm", "ffn_norm"):
-        w.add_tensor(f"blk.0.{norm}.weight", np.ones(HIDDEN, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    """tests/tiny_gguf.py's GGUF, with a byte-level BPE vocabulary unless `tokenizer` is False."""
+    return write_float_gguf(path, tokenizer=tokenizer)
 
 
 def _break_the_tokenizer(monkeypatch):
