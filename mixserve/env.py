@@ -137,6 +137,19 @@ _ISA_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "adx", "sha"
                  "movbe", "popcnt", "abm", "lzcnt")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (e.g. "avx2", "avx512_vnni"); empty where that is
+    unreadable (callers then cannot rule a feature out)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def cpu_isa_key() -> str:
     """8 hex digits naming this CPU's instruction-set extensions (the SIMD and bit-manipulation
     flags of /proc/cpuinfo): code built with -march=native on one set must not run on another

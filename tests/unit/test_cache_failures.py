@@ -329,3 +329,22 @@ def test_converted_copies_in_the_cache_are_keyed_by_the_files_identity(tmp_path,
     assert a.stat().st_size == b.stat().st_size
     assert weights.converted_dir(a) != weights.converted_dir(b)
     assert weights.converted_dir(a).parent == tmp_path / "xdg" / "mixserve" / "converted"
+
+
+def test_a_cpu_without_the_instructions_builds_nothing(monkeypatch):
+    # on an AVX2-only CPU the kernel's C++ build (~40 s cold) only found out it could not run
+    from mixserve.layers import gguf_kernels
+
+    saved = dict(gguf_kernels._state)
+    built = []
+    monkeypatch.setattr(gguf_kernels, "build_extension", lambda *a, **k: built.append(a) or None)
+    monkeypatch.setattr(gguf_kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    try:
+        gguf_kernels._state.clear()
+        assert not gguf_kernels.available() and built == []
+        gguf_kernels._state.clear()
+        monkeypatch.setattr(gguf_kernels, "cpu_flags", set)  # /proc/cpuinfo unreadable: the build decides
+        assert not gguf_kernels.available() and len(built) == 1
+    finally:
+        gguf_kernels._state.clear()
+        gguf_kernels._state.update(saved)
