@@ -157,15 +157,11 @@ def cpu_isa_key() -> str:
     without AVX-512). "noisa" where /proc/cpuinfo is unreadable."""
     import hashlib
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = sorted(x for x in line.split(":", 1)[1].split() if x.startswith(_ISA_PREFIXES))
-                    return hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
-    except OSError:
-        pass
-    return "noisa"
+    flags = cpu_flags()
+    if not flags:
+        return "noisa"
+    isa = sorted(x for x in flags if x.startswith(_ISA_PREFIXES))
+    return hashlib.sha256(" ".join(isa).encode()).hexdigest()[:8]
 
 
 def machine_info() -> dict:

@@ -3,18 +3,14 @@
 Every user, test and replica pays start-up, so it is measured like any other cost. Code marks a
 phase when it ends (`mark("weights")`); time inside a phase that happens in pieces (C++ builds,
 kernel timing) is summed with `add`. Where $MIXSERVE_STARTUP_LOG names a file, every mark and sum is
-appended to it as one JSON line, which benchmarks/startup.py reads; otherwise they are only kept in
-`marks` for describe-style output. It imports nothing from mixserve, and no third-party package.
+appended to it as one JSON line, which benchmarks/startup.py reads; otherwise a mark costs one read
+of /proc/self/stat. It imports nothing from mixserve, and no third-party package.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-
-marks: list[tuple[str, float]] = []  # (phase, seconds since the process started), in order
-sums: dict[str, float] = {}  # phase -> seconds spent in it so far
-
 
 def process_age() -> float:
     """Seconds since this process started (the kernel's start time in /proc/self/stat, in clock
@@ -45,12 +41,10 @@ def _emit(record: dict) -> None:
 def mark(phase: str) -> float:
     """Record that `phase` ended now. Returns the process's age in seconds."""
     t = process_age()
-    marks.append((phase, t))
     _emit({"phase": phase, "t": round(t, 4)})
     return t
 
 
 def add(phase: str, seconds: float) -> None:
     """Add `seconds` to the time spent in `phase` (a phase that happens in pieces)."""
-    sums[phase] = sums.get(phase, 0.0) + seconds
     _emit({"phase": phase, "add": round(seconds, 4)})

@@ -118,10 +118,10 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
             # e.g. made by an older mixserve whose default AWQ searched clipping
             raise ValueError(f"quantization awq: the cached run {cached} was made with other AWQ settings than "
                              f"today's default; run `mixserve quantize --model {spec}` again, or load the folder")
-        if missing_pieces(cached, Path(folder)):
-            raise ValueError(f"quantization awq: the cached run {cached} lacks "
-                             f"{', '.join(missing_pieces(cached, Path(folder)))}; run `mixserve quantize --model {spec}` "
-                             "again (it redoes such a run)")
+        missing = missing_pieces(cached, Path(folder))
+        if missing:
+            raise ValueError(f"quantization awq: the cached run {cached} lacks {', '.join(missing)}; "
+                             f"run `mixserve quantize --model {spec}` again (it redoes such a run)")
         folder = cached
         cfg = ModelConfig.from_folder(folder)
         quant = QuantSpec.from_hf_config(json.loads((folder / "config.json").read_text()))

@@ -284,8 +284,8 @@ def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Pa
     on token ids; the latter is retried under another transformers version).
 
     Raises RuntimeError when loading the tokenizer raised anything else (ImportError, OSError,
-    MemoryError, AttributeError, ...): a fault of this install or machine (issue 46: a module shadowing the `kernels` package), never a
-    fact about the model to cache.
+    MemoryError, AttributeError, ...): a fault of this install or machine (issue 46: a module
+    shadowing the `kernels` package), never a fact about the model to cache.
     """
     (folder / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
     # which file this copy came from (quant/provenance.py reads its release name from there)

@@ -58,12 +58,24 @@ def build_state_dict(cfg: ModelConfig, weights: dict[str, torch.Tensor], qc: AWQ
 
 def save_checkpoint(out: str | Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], qc: AWQConfig,
                     report: QuantReport, source: Path, meta: dict) -> Path:
-    """Write the folder atomically (a .tmp sibling renamed at the end; a write that raises removes
-    it, so no half-written checkpoint ever has the folder's name). Returns the folder."""
+    """Write the folder atomically (env.publish_dir: built beside it, then renamed; a write that
+    raises removes it, so no half-written checkpoint ever has the folder's name); a checkpoint of
+    other settings already there is replaced. Returns the folder."""
     from mixserve.env import publish_dir
 
     return publish_dir(Path(out), lambda tmp: _fill(tmp, cfg, sd, qc, report, source, meta),
-                       lambda o: (o / "mixserve_quant.json").is_file() and not missing_pieces(o, source))
+                       lambda o: same_run(o, source, meta, qc))
+
+
+def same_run(out: Path, source: Path, meta: dict, qc: AWQConfig) -> bool:
+    """Whether `out` holds a finished checkpoint of these settings (`meta`'s keys and `qc`) with
+    nothing missing (`missing_pieces`)."""
+    try:
+        old = json.loads((out / "mixserve_quant.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return (isinstance(old, dict) and all(old.get(k) == v for k, v in meta.items())
+            and old.get("config") == asdict(qc) and not missing_pieces(out, source))
 
 
 def missing_pieces(out: Path, source: Path) -> list[str]:
@@ -193,7 +205,7 @@ def quantize(model: str, qc: AWQConfig, calib: str = "pystdlib", n_samples: int 
             log(f"{done}: unreadable, so the run is redone")
         elif missing:
             log(f"{out}: lacks {', '.join(missing)}, so the run is redone")
-        elif all(old.get(k) == v for k, v in meta.items()) and old.get("config") == asdict(qc):
+        elif same_run(out, folder, meta, qc):
             log(f"{out}: already quantized with these settings" + (f"; {old['verdict']}" if old.get("verdict") else ""))
             return out
     meta["source_release"] = source_release

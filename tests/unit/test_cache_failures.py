@@ -348,3 +348,13 @@ def test_a_cpu_without_the_instructions_builds_nothing(monkeypatch):
     finally:
         gguf_kernels._state.clear()
         gguf_kernels._state.update(saved)
+
+
+def test_a_quantize_with_other_settings_replaces_the_checkpoint_in_its_folder(tmp_path):
+    from mixserve.quant import checkpoint
+    from mixserve.quant.awq import AWQConfig
+
+    src, out = write_gguf(tmp_path / "m.gguf"), tmp_path / "q"
+    checkpoint.quantize(str(src), AWQConfig(method="rtn", group_size=32), out=out, progress=False, log=lambda s: None)
+    checkpoint.quantize(str(src), AWQConfig(method="rtn", group_size=64), out=out, progress=False, log=lambda s: None)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
