@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Metric, generate_latest, CONTENT_TYPE_LATEST
@@ -82,10 +83,17 @@ class _ReplicaMetrics:
 
     def collect(self):
         families: dict[str, Metric] = {}
+        # how old each replica's figures are: Ray Serve's controller relays them, and a stale
+        # reading (a busy controller) must be told apart from a replica that holds blocks
+        age = Metric("mixserve_replica_stats_age_seconds", "Seconds since the replica reported the figures "
+                     "below (Ray Serve relays them through its controller).", "gauge")
+        now = time.time()
         for name, stats in sorted(self.stats_fn().items()):
             text = stats.get("metrics")
             if not text:
                 continue
+            if isinstance(stats.get("time"), (int, float)):
+                age.add_sample("mixserve_replica_stats_age_seconds", {"replica": name}, max(0.0, now - stats["time"]))
             for fam in text_string_to_metric_families(text):
                 out = families.get(fam.name)
                 if out is None:
@@ -93,6 +101,8 @@ class _ReplicaMetrics:
                 for s in fam.samples:
                     out.add_sample(s.name, {**s.labels, "replica": name}, s.value)
         yield from families.values()
+        if age.samples:
+            yield age
 
 
 class Ingress:

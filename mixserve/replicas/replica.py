@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 log = logging.getLogger("mixserve.replicas")
 
@@ -143,7 +144,7 @@ class EngineReplica:
         ingress's /metrics relabels with replica=<name>."""
         from prometheus_client import generate_latest
 
-        return {"name": self.name, "pid": os.getpid(),
+        return {"name": self.name, "pid": os.getpid(), "time": time.time(),
                 "metrics": generate_latest(self.app.state.metrics.registry).decode()}
 
     def check_health(self) -> None:

@@ -160,15 +160,22 @@ def test_client_disconnect_frees_the_blocks_on_the_replica(cluster):
             pass
     # the client is gone after 5 lines: the replica aborts the request (not one that ran to its
     # end: the abort counter moves) and frees every block
-    deadline = time.time() + 60
+    # the timeline goes into the failure message: a stale relay (age grows, steps frozen) and a
+    # replica that holds blocks while it steps on are different faults
+    deadline, timeline = time.time() + 60, []
     while time.time() < deadline:
         m = replica_metrics(cluster).get(name, {})
+        timeline.append((round(time.time() - deadline + 60, 1), m.get("mixserve_kv_cache_blocks_used"),
+                         m.get("mixserve_num_requests_running"), m.get("mixserve_engine_steps_total"),
+                         m.get("mixserve_replica_stats_age_seconds")))
         if (m.get("mixserve_kv_cache_blocks_used") == 0 and m.get("mixserve_num_requests_running") == 0
                 and aborted(cluster).get(name, 0) > before.get(name, 0)):
             break
         time.sleep(0.5)
     m = replica_metrics(cluster)[name]
-    assert m["mixserve_kv_cache_blocks_used"] == 0 and m["mixserve_num_requests_running"] == 0
+    assert m["mixserve_kv_cache_blocks_used"] == 0 and m["mixserve_num_requests_running"] == 0, \
+        f"(t, blocks, running, steps, stats age) {timeline[::max(1, len(timeline) // 12)] + timeline[-1:]}"
+    assert 0 <= m["mixserve_replica_stats_age_seconds"] < 30
     assert aborted(cluster).get(name, 0) == before.get(name, 0) + 1
 
 
