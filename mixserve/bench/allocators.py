@@ -42,6 +42,7 @@ def compare_allocators(args: EngineArgs, requests: list[BenchRequest], temperatu
     runs, paged_ids = [], None
     for i, va in enumerate(variants):
         eng = LLMEngine(va, loaded)
+        eng.wait_for_graph()  # each variant timed as it serves, not while its graph compiles
         if i == 0:  # fail before the first run, not after it: same geometry for every variant
             for other in variants:
                 if other.kv_allocator == "contiguous":

@@ -91,6 +91,11 @@ class EngineArgs:
         (mixserve/device.py). On CUDA a GGUF model runs dequantized (the native kernels are CPU
         code), dense linears run cuBLAS, int4 ones PyTorch's CUDA int4 kernel, and decode steps
         replay CUDA graphs (engine/cuda_graph.py) unless kernels is "eager".
+    graph_warmup: "foreground" (the default here): a decode graph chosen from the cache or an
+        override is compiled, or loaded from Inductor's cache, before the engine takes a request;
+        "background": on a thread while steps run eager, installed between two steps when ready
+        (engine/decode_graph.py BackgroundGraph; the CLI's default: the first token never waits
+        for it). A graph the chooser has to time is compiled by the timing, in the foreground.
     batch_invariant: "on" (the default): a request's logits do not depend on the batch, its cached
         prefix, its prompt's chunking or the eager / compiled path (layers/batch_invariance.py; on
         the CPU); "off": the kernels measured fastest at each row count, whose rounding does.
@@ -119,6 +124,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     device: str = "auto"
     batch_invariant: str = "on"
+    graph_warmup: str = "foreground"
 
     @property
     def prefix_caching(self) -> bool:
@@ -170,6 +176,8 @@ class EngineArgs:
         if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
             raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
                              "use --kv-allocator paged or --draft-model ngram")
+        if self.graph_warmup not in ("foreground", "background"):
+            raise ValueError(f"graph_warmup: must be foreground or background (got {self.graph_warmup!r})")
         if self.batch_invariant not in ("on", "off"):
             raise ValueError(f"batch_invariant: must be on or off (got {self.batch_invariant!r})")
         parse_bytes(self.kv_cache_memory)

@@ -149,7 +149,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         for r in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else []):
             if self.device.type == "cpu":
-                r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs)
+                r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs,
+                                      background=args.graph_warmup == "background")
             elif args.kernels != "eager":
                 r.use_cuda_graphs(self.max_model_len, args.max_num_seqs)
             else:
@@ -171,6 +172,13 @@ class LLMEngine:
         # parallel sampling: requests waiting for a leader's prefill, by the leader's seq_id
         self._followers: dict[int, list[Sequence]] = {}
         self._num_followers = 0  # their count, readable from another thread without iterating
+
+    def wait_for_graph(self, timeout: float | None = None) -> bool:
+        """Install the decode graphs a background warm-up is still compiling (EngineArgs
+        graph_warmup), waiting up to `timeout` seconds (None: as long as it takes); call it
+        between steps, e.g. before timing a run. Returns whether every one is installed."""
+        runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
+        return not any([r.install_graph(timeout) for r in runners])
 
     @property
     def num_waiting(self) -> int:

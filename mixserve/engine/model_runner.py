@@ -102,10 +102,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.stager = HostStager(self.device)
-        # on CUDA one block more than the allocator hands out: the sink that a captured decode
-        # graph's padding rows write to (engine/cuda_graph.py), never a sequence's
+        # one block more than the allocator hands out, never a sequence's: on CUDA the sink that a
+        # captured decode graph's padding rows write to (engine/cuda_graph.py), on the CPU the
+        # scratch block a decode graph's background warm-up runs on (decode_graph.BackgroundGraph)
         if sink_block is None:
-            sink_block = self.device.type == "cuda"
+            sink_block = True
         self.pad_block = num_blocks if sink_block else None
         self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks + (self.pad_block is not None), block_size,
                                                          dtype, self.device)
@@ -114,6 +115,7 @@ class ModelRunner:
         self.num_forwards = 0
         self.graph = None  # a DecodeGraph (CPU) or CudaGraphDecoder (CUDA) once chosen
         self.graph_choice = "eager"
+        self.pending_graph = None  # a decode_graph.BackgroundGraph until it is installed
 
     def use_cuda_graphs(self, max_model_len: int, max_rows: int, capture: bool | None = None) -> str:
         """Replay decode-only steps from CUDA graphs (engine/cuda_graph.py), captured lazily per
@@ -124,12 +126,15 @@ class ModelRunner:
         self.graph_choice = f"cuda graphs (rows {self.graph.rows[0]}..{self.graph.max_rows}, captured lazily)"
         return self.graph_choice
 
-    def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int) -> str:
+    def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int, background: bool = False) -> str:
         """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
         (layers/kernel_choice.py, key `decode_graph/...`) measures it faster than eager steps, or
-        an override says so. Returns "compiled", "eager", or why the graph is unsupported."""
-        from mixserve.engine.decode_graph import (DecodeGraph, decode_graph_candidates, graph_supported,
-                                                  max_graph_rows, warm_up)
+        an override or the cache says so. Returns "compiled", "eager", or why the graph is
+        unsupported. background: a graph chosen without timing it (cache, override) is compiled
+        or loaded on a thread while steps run eager, and installed when ready (`install_graph`);
+        a graph that was just timed is compiled already and used at once."""
+        from mixserve.engine.decode_graph import (BackgroundGraph, DecodeGraph, decode_graph_candidates,
+                                                  graph_supported, max_graph_rows, warm_up)
 
         why = graph_supported(self.model)
         rows = max_graph_rows(self.model, max_rows)
@@ -147,8 +152,13 @@ class ModelRunner:
         forwards = self.num_forwards
         try:
             pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
+            timed = chooser.choices[key].source.startswith("measured")
+            if pick == "compiled" and background and not timed:
+                self.pending_graph = BackgroundGraph(self, graph)
+                self.graph_choice = "compiled (loading in the background: steps run eager until it is ready)"
+                return "compiled"
             if pick == "compiled":
-                warm_up(self, graph)
+                warm_up(self, graph, scratch=self.pad_block)
         except ValueError:  # an override naming no candidate: the caller's error
             raise
         except Exception as e:  # Inductor could not compile here (no compiler, an op it cannot take)
@@ -284,10 +294,32 @@ class ModelRunner:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
+    def install_graph(self, wait: float | None = 0) -> bool:
+        """Install the background decode graph if it is ready (waiting up to `wait` seconds;
+        None: until it is). Between steps only: a step runs wholly eager or wholly compiled.
+        Returns whether one is still pending."""
+        bg = self.pending_graph
+        if bg is None:
+            return False
+        ready = bg.ready.is_set() if wait == 0 else bg.ready.wait(wait)
+        if not ready:
+            return True
+        self.pending_graph = None
+        if bg.error is not None:
+            log.warning("decode graph unavailable, decode steps run eager: %s: %s", type(bg.error).__name__, bg.error)
+            self.graph_choice = f"eager (compile failed: {type(bg.error).__name__})"
+            return False
+        bg.graph.num_steps = 0  # the warm-up's steps are not the engine's
+        self.graph, self.graph_choice = bg.graph, "compiled"
+        log.info("decode graph ready after %.1f s in the background", bg.seconds)
+        return False
+
     def run(self, items: list[BatchItem], copies: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[BatchItem]]:
         """Run one forward pass over `items`. Returns (float32 logits [N, vocab], the items that
         own them, in row order: each owns its num_logits consecutive rows)."""
         self.copy_blocks(list(copies))
+        if self.pending_graph is not None:
+            self.install_graph()
         if self.graph is not None and not any(it.score for it in items) and self.graph.accepts(items):
             self.num_forwards += 1
             return self.graph.run(items, self.bm.block_table), list(items)

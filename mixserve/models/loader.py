@@ -56,16 +56,24 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
 def _load_native_gguf(path, dtype, max_positions, progress):
     from mixserve.models.weights import gguf_meta_dir, read_gguf_native
 
-    cfg, _, weights, types = read_gguf_native(path, progress=progress)
-    folder = gguf_meta_dir(path)
-    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
+    def meta():  # the folder (its tokenizer converted once) and the tokenizer, on one thread
+        folder = gguf_meta_dir(path)
+        return folder, _tokenizer(folder)
+
+    tok_later = _Later(meta)
+    try:
+        cfg, _, weights, types = read_gguf_native(path, progress=progress)
+        model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
+    except BaseException:
+        tok_later.result_quietly()
+        raise
     parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
     native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
                            f"int8-activation kernel (layers/gguf_kernels.py), the rest dequantized to {dtype}")
     del weights
     startup.mark("weights")
-    tok = _tokenizer(folder)
+    folder, tok = tok_later.result()
     startup.mark("tokenizer")
     return cfg, model, tok, folder
 
@@ -76,6 +84,37 @@ def _tokenizer(folder: Path):
 
         return AutoTokenizer.from_pretrained(str(folder))
     return None
+
+
+class _Later:
+    """fn() on a thread, started now; result() joins it and returns its value or raises its
+    exception. The tokenizer loads this way beside the weights: importing transformers and
+    parsing tokenizer.json (~2.9 s of a warm 0.5B start, issue 32) is mostly the GIL-free
+    Rust parser and file reads, the weights' load mostly GIL-free copies."""
+
+    def __init__(self, fn):
+        import threading
+
+        self._out: tuple = ()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="mixserve-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out = (fn(), None)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller by result()
+            self._out = (None, e)
+
+    def result_quietly(self) -> None:
+        """Join, dropping the value or error (the caller is failing for another reason)."""
+        self._thread.join()
+
+    def result(self):
+        self._thread.join()
+        value, error = self._out
+        if error is not None:
+            raise error
+        return value
 
 
 def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
@@ -128,13 +167,18 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     if lm_head and quant is not None:
         quant.lm_head = True
         quant.lm_head_group_size = group_size
-    weights = load_hf_weights(folder)
-    model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
+    tok_later = _Later(lambda: _tokenizer(Path(folder)))
+    try:
+        weights = load_hf_weights(folder)
+        model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
+    except BaseException:
+        tok_later.result_quietly()
+        raise
     del weights
     kind = "int4 " + quant.method if quant is not None else "dense"
     model.weight_format = (f"{kind} weights in {dtype}" + (" (dequantized from the GGUF)" if r.kind == "gguf" else ""))
     startup.mark("weights")
-    tok = _tokenizer(Path(folder))
+    tok = tok_later.result()
     startup.mark("tokenizer")
     return cfg, model, tok, folder
 

@@ -369,3 +369,64 @@ def test_a_draft_model_samples_unseeded_requests(tiny):
               num_speculative_tokens=3, kernels="eager", progress=False)
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and out.metrics["spec_proposed"] > 0
+
+
+def test_a_background_graph_changes_no_token(tiny, monkeypatch):
+    """graph_warmup="background": the first steps run eager while the graph compiles on a thread
+    (held back here until 3 steps have run), then it is installed between two steps. Float32
+    greedy before, during and after the swap equals the eager engine bit for bit, tokens and
+    logprobs (batch invariance on: one numeric path), and both paths really ran steps."""
+    import threading
+
+    import mixserve.engine.decode_graph as dg
+
+    folder, _ = tiny
+    go, real = threading.Event(), dg.warm_up
+
+    def held_warm_up(*args, **kw):
+        assert go.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dg, "warm_up", held_warm_up)
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1],
+              graph_warmup="background")
+    eng, runner = llm.engine, llm.engine.runner
+    assert runner.graph is None and runner.pending_graph is not None and "background" in eng.describe()
+    ps = prompts(3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ids = [eng.add_request(p, sp) for p in ps]
+    outs, steps = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+        if steps == 3:
+            assert runner.graph is None  # three steps ran eager
+            go.set()
+            assert eng.wait_for_graph(120)  # installed between this step and the next
+    assert runner.graph is not None and runner.graph.num_steps > 0 and eng.describe().count("background") == 0
+    eager = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager")
+    ref = eager.generate(ps, sp)
+
+    def key(o):
+        return o.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.logprobs]
+
+    assert [key(outs[i]) for i in ids] == [key(o) for o in ref]
+
+
+def test_background_graph_failure_leaves_the_engine_eager(tiny, monkeypatch):
+    """A compile that fails on the thread is reported once and the engine runs on eager."""
+    import mixserve.engine.decode_graph as dg
+
+    def broken(*args, **kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(dg, "warm_up", broken)
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1],
+              graph_warmup="background")
+    assert llm.engine.wait_for_graph(60)
+    assert llm.engine.runner.graph is None and "compile failed: RuntimeError" in llm.engine.describe()
+    out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
