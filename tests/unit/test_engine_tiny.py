@@ -430,3 +430,52 @@ def test_background_graph_failure_leaves_the_engine_eager(tiny, monkeypatch):
     assert llm.engine.runner.graph is None and "compile failed: RuntimeError" in llm.engine.describe()
     out = llm.generate([prompts(1)[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+_GRAPH_RUN = """
+import json, sys
+from mixserve import SamplingParams
+from mixserve.llm import LLM
+llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory="8MiB", progress=False,
+          kernels="decode_attention=paged,decode_graph=compiled")
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+print(json.dumps({"graph": llm.engine.runner.graph is not None,
+                  "out": [[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs]}))
+"""
+
+
+def test_graph_cache_raced_and_corrupted_still_gives_eager_output(tiny, tmp_path):
+    """Two processes start at once on an empty Inductor cache, then every artifact it holds is cut
+    in half and a third process starts on it: each gives the eager engine's tokens and logprobs
+    bit for bit (batch invariance on), never a crash (issue 32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder, _ = tiny
+    ps = prompts(2, seed=5)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", _GRAPH_RUN, folder, json.dumps(ps)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(p):
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    eager = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager")
+    ref = [[o.token_ids, [lp.logprob for lp in o.logprobs]]
+           for o in eager.generate(ps, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))]
+    a, b = start(), start()
+    for r in (result(a), result(b)):
+        assert r["out"] == ref
+    files = [f for f in (tmp_path / "inductor").rglob("*") if f.is_file()]
+    assert files  # the graphs were cached
+    for f in files:
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+    r = result(start())
+    assert r["out"] == ref
