@@ -37,8 +37,9 @@ class RequestOutput:
     text: generated text so far (stop string cut); new_text: what this step added.
     token_ids: generated token ids. finish_reason: "stop" | "length" | "abort" | "error" | None
         ("error": the request's logits were not finite; stop_reason says so).
-    logprobs: a TokenLogprobs (when asked for) per generated token whose text starts within `text`
-        as handed out so far (see `_text_logprobs`).
+    logprobs: a TokenLogprobs (when asked for) per output token once finished, the one that ended
+        the output included; before that, per token whose text has been handed out (see
+        `_text_logprobs`).
     prompt_logprobs: when params.prompt_logprobs is set, once the prefill is done: a TokenLogprobs
         per prompt token after the first (log p(token_i | tokens_<i)), in prompt order.
     metrics: seconds (time.perf_counter) — arrival, first_scheduled, first_token, finish,
@@ -270,6 +271,7 @@ class LLMEngine:
         finds its prompt's full blocks in the prefix cache, computing only the last, partial
         block. Ignored (a prefill of its own) when caching is off, that request is unknown or
         already past its prefill, has another prompt or salt, or this one scores its prompt.
+        Its prompt tokens are not counted again in num_prompt_tokens (usage counts a prompt once).
         cache_salt: a string mixed into the hash of this request's first KV block, so it shares
         cached blocks only with requests of the same salt (tenant isolation; vLLM's cache_salt).
         """
@@ -310,7 +312,8 @@ class LLMEngine:
             self._num_followers += 1
         else:
             self.scheduler.add(seq)
-        self.num_prompt_tokens += len(ids)
+        if share_prompt_with is None:  # another sample of a prompt already counted (n > 1): not again
+            self.num_prompt_tokens += len(ids)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -634,14 +637,16 @@ class LLMEngine:
         return piece
 
     def _text_logprobs(self, seq: Sequence) -> list:
-        """The logprobs of the tokens that make up the text handed out so far (all of `text` once
-        finished): the end token that stopped the sequence, and tokens whose text is still held
-        back or incomplete, are not among them, so the entries join to the text (OpenAI's
-        logprobs describe the returned text)."""
-        if self.tokenizer is None:
+        """The logprob entries an output carries, by the rule `usage` also counts by (issue 45):
+        once the sequence has ended, one per output token, the token that ended it included (an
+        end token, a stop token, the token that completed a stop string: as vLLM's OpenAI server
+        returns them, vllm/entrypoints/openai completion and chat logprobs loop over every
+        output token id), so len(logprobs) == len(token_ids) == usage.completion_tokens. While it
+        runs: the tokens whose text has been handed out, so that a stream's entries never run ahead
+        of its text and join, chunk after chunk, to the final list."""
+        if self.tokenizer is None or seq.finish_reason is not None:
             return list(seq.logprobs)
-        end = len(seq.text) if seq.finish_reason is not None else seq.emitted_chars
-        return seq.logprobs[:tokens_in_text(seq, end)]
+        return seq.logprobs[:tokens_in_text(seq, seq.emitted_chars)]
 
     def make_output(self, seq: Sequence, new_text: str = "") -> RequestOutput:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None

@@ -44,7 +44,8 @@ class _EngineCollector:
                                 value=bm.num_used_blocks / max(1, bm.num_blocks))
         yield CounterMetricFamily("mixserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=eng.scheduler.num_preemptions)
-        yield CounterMetricFamily("mixserve_prompt_tokens", "Prompt tokens of accepted requests.",
+        yield CounterMetricFamily("mixserve_prompt_tokens", "Prompt tokens of accepted requests (a prompt of n > 1 samples once, "
+                                  "as usage counts it).",
                                   value=eng.num_prompt_tokens)
         yield CounterMetricFamily("mixserve_generation_tokens", "Generated tokens (aborted requests' included).",
                                   value=eng.num_generated_tokens)

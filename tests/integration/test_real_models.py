@@ -99,10 +99,30 @@ def test_smollm2_stop_string_spanning_tokens(smol):
     assert pieces  # decoded prefixes exist
 
 
-def test_qwen05_humaneval_greedy_matches_hf(qwen05_path):
+@pytest.fixture(scope="module")
+def qwen05(qwen05_path):
+    return LLM(qwen05_path, dtype="float32", kv_cache_memory="256MiB", progress=False, gguf_weights="dequantize")
+
+
+def test_qwen05_stop_string_token_is_counted_with_its_logprob(qwen05):
+    """../shared/cases/usage-and-logprobs-at-a-stop.md: a stop string that begins where a token
+    begins. The token that completes it is counted and has its logprob entry (issue 45's rule:
+    one entry per counted token), the text is cut where the stop begins, and nothing after it is
+    generated; max_tokens alone gives m tokens and m entries."""
+    prompt = "Count in words, one number per line:\none\ntwo\nthree\nfour\nfive\nsix\n"
+    free = qwen05.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=1))[0]
+    assert len(free.token_ids) == len(free.logprobs) == 12 and free.text.startswith("seven\neight")
+    out = qwen05.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=1, stop=["eigh"]))[0]
+    assert out.text == "seven\n" and out.finish_reason == "stop" and out.stop_reason == "eigh"
+    assert out.token_ids == free.token_ids[:3]  # 'seven', '\n', 'eight': the stop's token ends it
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in free.logprobs[:3]]
+
+
+def test_qwen05_humaneval_greedy_matches_hf(qwen05, qwen05_path):
     from mixserve.data.datasets import load_humaneval
 
-    llm = LLM(qwen05_path, dtype="float32", kv_cache_memory="256MiB", progress=False, gguf_weights="dequantize")
+    llm = qwen05
     reqs = load_humaneval(num_prompts=2)
     ids = [llm.tokenizer.encode(r.prompt) for r in reqs]
     run_compare(llm, hf_model(qwen05_path), ids)

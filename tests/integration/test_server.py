@@ -169,50 +169,66 @@ def _chat_joined(entries) -> str:
 
 
 @pytest.mark.parametrize("draft", [False, True])
-def test_logprob_entries_join_to_the_text(server, smollm2_path, draft):
-    """../shared/cases/logprobs-end-token.md: the entries are the tokens whose text starts within
-    the returned text, so they join to it (the end token that stopped a choice is not among them),
-    and where a stop string cuts inside a token the text is a prefix of the join: chat and
-    completions, streamed and not, n = 2, with and without a draft (n-gram) model."""
+def test_logprob_entries_are_the_counted_tokens(server, smollm2_path, draft):
+    """Issue 45's rule (it replaces ../shared/cases/logprobs-end-token.md's): one logprob entry per
+    counted token, so len(entries) == len(token_ids) and usage.completion_tokens is their sum over
+    choices. The in-text entries join to the returned text; a choice ended by the end token has it
+    as its last entry (`<|im_end|>`, not in the text); where a stop string cuts, the last entry is
+    the token that completed it. Chat and completions, streamed and not, n = 2, with and without a
+    draft (n-gram) model."""
     srv = None
     if draft:
         srv = LiveServer(LLMEngine(EngineArgs(model=smollm2_path, draft_model="ngram", speculation="fixed",
                                               num_speculative_tokens=3, **ENGINE)), ServerConfig(NAME, api_key=KEY))
     url = (srv or server).url
     cl = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    ids = {"return_token_ids": True}
     try:
         msgs = [{"role": "user", "content": "Say hi."}]
         r = cl.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0.7, seed=3, n=2,
-                                       logprobs=True, top_logprobs=1)
+                                       logprobs=True, top_logprobs=1, extra_body=ids)
         assert any(c.finish_reason == "stop" for c in r.choices)  # ended by the end token
+        assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
         for c in r.choices:
-            assert _chat_joined(c.logprobs.content) == c.message.content
-            assert all("<|im_end|>" not in e.token for e in c.logprobs.content)
-        entries, text = {}, {}
+            assert len(c.logprobs.content) == len(c.token_ids)
+            if c.finish_reason == "stop":
+                assert c.logprobs.content[-1].token == "<|im_end|>"
+                assert _chat_joined(c.logprobs.content[:-1]) == c.message.content
+            else:
+                assert _chat_joined(c.logprobs.content) == c.message.content
+        entries, text, usage = {}, {}, None
         for ch in cl.chat.completions.create(model=NAME, messages=msgs, max_tokens=40, temperature=0.7, seed=3,
-                                              n=2, logprobs=True, stream=True):
+                                              n=2, logprobs=True, stream=True, stream_options={"include_usage": True}):
+            usage = ch.usage or usage
             for c in ch.choices:
                 text[c.index] = text.get(c.index, "") + (c.delta.content or "")
                 entries.setdefault(c.index, []).extend(c.logprobs.content if c.logprobs else [])
         assert text == {c.index: c.message.content for c in r.choices}
-        assert all(_chat_joined(entries[i]) == text[i] for i in text)
+        assert {i: [e.token for e in v] for i, v in entries.items()} == \
+            {c.index: [e.token for e in c.logprobs.content] for c in r.choices}
+        assert usage.completion_tokens == r.usage.completion_tokens and usage.prompt_tokens == r.usage.prompt_tokens
         # completions: ended by the end token, and cut by a stop string
         prompt = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
-        full = cl.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, logprobs=1)
+        full = cl.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, logprobs=1,
+                                     extra_body=ids)
         c = full.choices[0]
-        assert c.finish_reason == "stop" and "".join(c.logprobs.tokens) == c.text
+        assert c.finish_reason == "stop" and "".join(c.logprobs.tokens) == c.text + "<|im_end|>"
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.top_logprobs) \
-            == len(c.logprobs.text_offset)
+            == len(c.logprobs.text_offset) == len(c.token_ids) == full.usage.completion_tokens
         stop = c.text[len(c.text) // 2:len(c.text) // 2 + 2]
         for stream in (False, True):
             got = cl.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, logprobs=1,
-                                        stop=[stop], stream=stream)
+                                        stop=[stop], stream=stream, stream_options={"include_usage": True}
+                                        if stream else None, extra_body=ids)
             chunks = list(got) if stream else [got]
-            t = "".join(ch.choices[0].text for ch in chunks)
-            toks = [x for ch in chunks if ch.choices[0].logprobs for x in ch.choices[0].logprobs.tokens]
+            t = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            toks = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.tokens]
+            n_ids = sum(len(ch.choices[0].token_ids or []) for ch in chunks if ch.choices)
             joined = "".join(toks)
             assert t == c.text[:c.text.find(stop)] and joined.startswith(t)
-            assert len(joined) - len(t) < len(toks[-1]) if toks else t == ""  # only the last token runs past
+            # the last entry is the token that completed the stop string, and nothing came after it
+            assert joined.find(stop) == len(t) and stop not in "".join(toks[:-1])
+            assert len(toks) == n_ids == [ch for ch in chunks if ch.usage][-1].usage.completion_tokens
     finally:
         if srv is not None:
             srv.stop()
