@@ -234,6 +234,68 @@ def test_logprob_entries_are_the_counted_tokens(server, smollm2_path, draft):
             srv.stop()
 
 
+def test_metrics_totals_are_the_summed_usage(smollm2_path):
+    """Issue 45: after a mixed run on an n-gram-speculative server whose cache is small enough to
+    preempt (n = 2, stop strings, chat streams with include_usage, and a stream its client leaves
+    after a few chunks), /metrics' prompt total is the summed usage.prompt_tokens plus the aborted
+    request's prompt, and its generation total the summed usage.completion_tokens plus what the
+    aborted one generated: at least what its client saw, at most its max_tokens."""
+    import concurrent.futures
+
+    eng = LLMEngine(EngineArgs(model=smollm2_path, draft_model="ngram", speculation="fixed", num_speculative_tokens=3,
+                               **{**ENGINE, "kv_cache_memory": "12MiB"}))
+    srv = LiveServer(eng, ServerConfig(NAME, api_key=KEY))
+    cl = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    try:
+        m0 = metrics(srv)
+
+        def completion(i):
+            r = cl.completions.create(model=NAME, prompt=f"List {i + 3} fruits, one per line:\n", n=2, max_tokens=60,
+                                      temperature=0.8, seed=i, stop=["\n\n", "7."], extra_body={"return_token_ids": True})
+            assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+            return r.usage.prompt_tokens, r.usage.completion_tokens
+
+        def chat(i):
+            usage = None
+            for ch in cl.chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"Story {i}:"}],
+                                                  max_tokens=60, temperature=0.8, seed=i, stream=True,
+                                                  stream_options={"include_usage": True}):
+                usage = ch.usage or usage
+            return usage.prompt_tokens, usage.completion_tokens
+
+        left = {"seen": 0}
+        aborted_prompt = "Once upon a time there was a very long story that"
+
+        def leave_early():
+            body = {"model": NAME, "prompt": aborted_prompt, "max_tokens": 200, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        left["seen"] += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                        if left["seen"] >= 3:
+                            break
+            return 0, 0
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            jobs = [pool.submit(completion, i) for i in range(3)] + [pool.submit(chat, i) for i in range(3)]
+            jobs.append(pool.submit(leave_early))
+            usage = [j.result() for j in jobs]
+        await_aborted = time.time() + 30
+        while time.time() < await_aborted and (eng.has_unfinished() or srv.loop._streams):
+            time.sleep(0.2)
+        m1 = metrics(srv)
+        prompt = sum(p for p, _ in usage) + len(eng.encode(aborted_prompt))
+        generated = sum(c for _, c in usage)
+        assert m1["mixserve_prompt_tokens_total"] - m0["mixserve_prompt_tokens_total"] == prompt
+        extra = m1["mixserve_generation_tokens_total"] - m0["mixserve_generation_tokens_total"] - generated
+        assert left["seen"] <= extra <= 200, (extra, left)
+        assert m1["mixserve_num_preemptions_total"] > m0.get("mixserve_num_preemptions_total", 0)
+    finally:
+        srv.stop()
+
+
 def test_chunks_arrive_while_generating(server, client):
     t0 = time.perf_counter()
     first_still_running, times = None, []
