@@ -16,6 +16,8 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixserve import SamplingParams
@@ -294,6 +296,71 @@ def test_metrics_totals_are_the_summed_usage(smollm2_path):
         assert m1["mixserve_num_preemptions_total"] > m0.get("mixserve_num_preemptions_total", 0)
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server(smollm2_path):
+    srv = LiveServer(LLMEngine(EngineArgs(model=smollm2_path, draft_model="ngram", speculation="fixed",
+                                          num_speculative_tokens=4, **ENGINE)), ServerConfig(NAME, api_key=KEY))
+    yield srv
+    srv.stop()
+
+
+def _completion(cl, stream: bool, **kw) -> dict:
+    """One completions request through the client: choices' text, token ids and logprob tokens
+    by index, and usage (streamed: joined from the chunks, usage from the include_usage chunk)."""
+    kw = {**kw, "extra_body": {"return_token_ids": True}}
+    if not stream:
+        r = cl.completions.create(model=NAME, **kw)
+        return {"choices": {c.index: (c.text, c.token_ids, c.logprobs.tokens if c.logprobs else None,
+                                      c.finish_reason) for c in r.choices}, "usage": r.usage}
+    out, usage = {}, None
+    for ch in cl.completions.create(model=NAME, stream=True, stream_options={"include_usage": True}, **kw):
+        usage = ch.usage or usage
+        for c in ch.choices:
+            t, ids, toks, fin = out.get(c.index, ("", [], [] if kw.get("logprobs") else None, None))
+            out[c.index] = (t + c.text, ids + (c.token_ids or []),
+                            toks + c.logprobs.tokens if toks is not None and c.logprobs else toks,
+                            c.finish_reason or fin)
+    return {"choices": out, "usage": usage}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 2), max_tokens=st.integers(1, 40), logprobs=st.sampled_from([None, 1]),
+       stop_at=st.sampled_from([None, 0.3, 0.6]), seed=st.integers(0, 3), repeat=st.booleans())
+def test_usage_rule_through_the_server_with_speculation(spec_server, n, max_tokens, logprobs, stop_at, seed, repeat):
+    """Issue 45's property test on SmolLM2 through the server, n-gram speculation on (runs of up to
+    5 tokens accepted at once cross stops and max_tokens): for each drawn request, streamed and
+    not, usage.completion_tokens is the sum of len(token_ids), each choice has one logprob entry
+    per token, the streamed text equals the non-streamed, the text is a prefix of the same
+    request's text without the stop, prompt_tokens is the prompt's length, and a repeated prompt's
+    cached_tokens are its full blocks."""
+    cl = openai.OpenAI(base_url=spec_server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    prompt = "def fibonacci(n):\n    # the classic recursive definition, then an iterative one\n" * 2
+    base = dict(prompt=prompt, n=n, max_tokens=max_tokens, logprobs=logprobs, temperature=0.8, seed=seed)
+    ref = _completion(cl, False, **base)["choices"]
+    stop = None
+    if stop_at is not None and len(ref[0][0]) >= 4:
+        at = int(len(ref[0][0]) * stop_at)
+        stop = ref[0][0][at:at + 2]
+    got = {s: _completion(cl, s, **base, stop=[stop] if stop else None) for s in (False, True)}
+    n_prompt = len(spec_server.engine.encode(prompt))
+    for stream, r in got.items():
+        assert r["usage"].completion_tokens == sum(len(c[1]) for c in r["choices"].values())
+        assert r["usage"].prompt_tokens == n_prompt
+        for i, (text, ids, toks, fin) in r["choices"].items():
+            assert ref[i][0].startswith(text) and ref[i][1][:len(ids)] == ids
+            if toks is not None:
+                assert len(toks) == len(ids)
+            if fin == "length":
+                assert len(ids) == max_tokens
+            if stop and fin == "stop" and toks is not None:  # the last entry completed the stop
+                joined = "".join(toks)
+                assert ref[i][0].find(stop) == len(text) == joined.find(stop) and stop not in "".join(toks[:-1])
+    assert got[False]["choices"] == got[True]["choices"]
+    if repeat:
+        again = cl.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
 
 
 def test_chunks_arrive_while_generating(server, client):
