@@ -67,11 +67,12 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
                "import json\n\ndef load(path):"]
     # the kernels this machine measures (the suite's default is the eager ones, conftest.py): the
-    # bf16 noise, and so the outright matches counted below, depend on which kernel rounds
+    # bf16 noise, and so the outright matches counted below, depend on which kernel rounds; the
+    # decode graph stays eager (its compile is tested elsewhere: ~2 minutes of this test on a cold cache)
     monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
-              batch_invariant=invariant)
+              batch_invariant=invariant, kernels="decode_graph=eager")
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def run(mode, ps):
