@@ -192,25 +192,45 @@ class BackgroundGraph:
     At exit the thread is abandoned, never waited for: what Inductor finished is in its cache.
     """
 
-    def __init__(self, runner, graph: DecodeGraph):
+    # While Dynamo traces (pure Python, holding the GIL), each torch op of an eager step releases
+    # the GIL and then waits up to the switch interval (5 ms by default) to get it back: ~300
+    # waits a step made the 0.5B's eager steps 1.6 s instead of 0.15 s. A 0.1 ms interval for as
+    # long as a background compile runs bounds that wait.
+    SWITCH_INTERVAL_S = 1e-4
+    _running = 0
+    _saved_interval = None
+
+    def __init__(self, runner, make_graph):
+        import sys
         import threading
 
-        self.graph = graph
+        self.graph: DecodeGraph | None = None
+        self._make_graph = make_graph  # made on the thread too: torch.compile's imports take ~2.5 s
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.ready = threading.Event()
+        if BackgroundGraph._running == 0:
+            BackgroundGraph._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(BackgroundGraph._saved_interval, self.SWITCH_INTERVAL_S))
+        BackgroundGraph._running += 1
         self.thread = threading.Thread(target=self._run, args=(runner,), name="mixserve-decode-graph", daemon=True)
         self.thread.start()
 
     def _run(self, runner) -> None:
+        import sys
+
         t0 = time.perf_counter()
         try:
+            self.graph = self._make_graph()
             with torch.inference_mode():
                 warm_up(runner, self.graph, scratch=runner.pad_block)
         except Exception as e:  # Inductor could not compile here: the engine stays eager
             self.error = e
         finally:
             self.seconds = time.perf_counter() - t0
+            BackgroundGraph._running -= 1
+            if BackgroundGraph._running == 0 and BackgroundGraph._saved_interval is not None:
+                sys.setswitchinterval(BackgroundGraph._saved_interval)
             self.ready.set()
 
 
@@ -221,24 +241,26 @@ def pending_background_graphs() -> int:
     return sum(1 for t in threading.enumerate() if t.name == "mixserve-decode-graph" and t.is_alive())
 
 
-def decode_graph_candidates(runner, graph: DecodeGraph, rows=(1, 8), context: int = 128, steps: int = 6) -> dict:
+def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,
+                            steps: int = 6) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this
     runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled").
+    make_graph() -> the DecodeGraph (made on the compiled timer's first call: a choice taken from
+    the cache or an override times nothing and makes no graph here); max_rows: its row limit.
     The compiled timer's first calls, which compile, are not timed. Uses the cache's first blocks
     and zeroes them afterwards (the engine has not admitted a request yet)."""
     from mixserve.layers.kernel_choice import geomean
 
     bs = runner.block_size
     per_row = -(-(context + steps + 3) // bs)
-    rows = [r for r in rows if r <= graph.max_rows and r * per_row <= runner.num_blocks]
+    rows = [r for r in rows if r <= max_rows and r * per_row <= runner.num_blocks]
     if not rows:
         rows = [1]
         context = max(1, min(per_row, runner.num_blocks) * bs - steps - 3)
 
     def timer(compiled: bool):
-        run = graph.run if compiled else runner.run_eager
         # the first two steps (the compile, oneDNN's first calls) are not timed
-        return lambda: geomean(statistics.median(dummy_decode_steps(runner, r, context, steps + 2, run)[2:])
-                               for r in rows)
+        return lambda: geomean(statistics.median(dummy_decode_steps(
+            runner, r, context, steps + 2, make_graph().run if compiled else runner.run_eager)[2:]) for r in rows)
 
     return {"eager": timer(False), "compiled": timer(True)}

@@ -148,15 +148,21 @@ class ModelRunner:
         key = (f"decode_graph/{str(self.model.dtype).removeprefix('torch.')}/{c.num_layers}x{c.hidden_size}x"
                f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/"
                f"{'dense' if q is None else f'int4g{q.group_size}'}")
-        graph = DecodeGraph(self.model, self.block_size, -(-max_model_len // self.block_size), rows)
+        made: list = []
+
+        def make_graph():
+            if not made:
+                made.append(DecodeGraph(self.model, self.block_size, -(-max_model_len // self.block_size), rows))
+            return made[0]
+
         forwards = self.num_forwards
         try:
-            pick = chooser.choose(key, decode_graph_candidates(self, graph), "eager")
-            timed = chooser.choices[key].source.startswith("measured")
-            if pick == "compiled" and background and not timed:
-                self.pending_graph = BackgroundGraph(self, graph)
+            pick = chooser.choose(key, decode_graph_candidates(self, make_graph, rows), "eager")
+            if pick == "compiled" and background and not made:  # chosen without timing it: nothing compiled yet
+                self.pending_graph = BackgroundGraph(self, make_graph)
                 self.graph_choice = "compiled (loading in the background: steps run eager until it is ready)"
                 return "compiled"
+            graph = make_graph() if pick == "compiled" else None
             if pick == "compiled":
                 warm_up(self, graph, scratch=self.pad_block)
         except ValueError:  # an override naming no candidate: the caller's error
@@ -170,8 +176,10 @@ class ModelRunner:
             self.graph, self.graph_choice = None, f"eager (compile failed: {type(e).__name__})"
             return self.graph_choice
         # the timing and warm-up steps are not the engine's
-        self.num_forwards, graph.num_steps = forwards, 0
-        self.graph = graph if pick == "compiled" else None
+        self.num_forwards = forwards
+        if graph is not None:
+            graph.num_steps = 0
+        self.graph = graph
         self.graph_choice = pick
         return pick
 
