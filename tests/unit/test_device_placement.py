@@ -144,8 +144,11 @@ def test_bucketed_decode_steps_equal_eager_steps_and_padding_writes_only_the_sin
             eng.runner = ModelRunner(r.model, r.cfg, r.bm, r.num_blocks, r.block_size, r.k_caches[0].dtype, "cpu",
                                      sink_block=True)
             eng.runner.use_cuda_graphs(eng.max_model_len, 8, capture=False)
+            no_sink = ModelRunner(r.model, r.cfg, r.bm, r.num_blocks, r.block_size, r.k_caches[0].dtype, "cpu",
+                                  sink_block=False)
             with pytest.raises(ValueError, match="sink"):
-                CudaGraphDecoder(r, 8, 16)
+                CudaGraphDecoder(no_sink, 8, 16)
+            r.model.bind_kv_cache(eng.runner.k_caches, eng.runner.v_caches)  # the runner in use's cache
         for p in ps:
             eng.add_request(p, sp)
         done = {}
