@@ -9,6 +9,7 @@ character (U+FFFD).
 from __future__ import annotations
 
 import bisect
+import os
 
 from mixserve.sequence import Sequence
 
@@ -36,8 +37,12 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
             if j == seq.read_offset or seq.params.logprobs is None:
                 seq.token_starts.append(base)
                 continue
-            part = tokenizer.decode(out[seq.prefix_offset:j], skip_special_tokens=skip).rstrip("\ufffd")
-            seq.token_starts.append(base + min(len(delta), max(0, len(part) - len(prefix_text))))
+            # what the group's earlier tokens decode to, as far as it agrees with the whole: an
+            # incomplete character (U+FFFD there, a real one in the whole) is where token j starts
+            # too, while a byte that is invalid for good stays U+FFFD in both and is before it
+            part = tokenizer.decode(out[seq.prefix_offset:j], skip_special_tokens=skip)
+            common = len(os.path.commonprefix([part, new_text]))
+            seq.token_starts.append(base + min(len(delta), max(0, common - len(prefix_text))))
         seq.read_offset = len(out)
         seq.prefix_offset = max(seq.prefix_offset, seq.read_offset - _CONTEXT)
         seq.text += delta

@@ -603,15 +603,16 @@ class LLMEngine:
             seq.logprobs.append(lp)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
-        # `new_text` is what detokenization added; what the caller sees is _releasable_text()
         n_out = seq.num_output_tokens
         reason = None
-        if not p.ignore_eos and tok in self.cfg.eos_token_ids and n_out >= p.min_tokens:
-            reason, seq.stop_reason = "stop", tok
-        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
-            reason, seq.stop_reason = "stop", tok
-        elif p.stop and new_text and n_out >= p.min_tokens:
+        if n_out >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.cfg.eos_token_ids):
+            # an end or stop token is counted and has its logprob entry, but its text is not part of
+            # the output (vLLM's detokenizer skips it too): it is never decoded
+            reason, seq.stop_reason, new_text = "stop", tok, ""
+        else:
+            new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        # `new_text` is what detokenization added; what the caller sees is _releasable_text()
+        if reason is None and p.stop and new_text and n_out >= p.min_tokens:
             hit = find_stop_string(seq.text, len(new_text), p.stop)
             if hit is not None:
                 seq.text = seq.text[:hit[0]]

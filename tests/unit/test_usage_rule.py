@@ -159,3 +159,36 @@ def test_the_small_cache_preempts(engines):
     assert eng.scheduler.num_preemptions > before
     for out, streamed, _ in outs:
         assert len(out.token_ids) == len(out.logprobs) == 50 and streamed == out.text
+
+
+def test_a_stop_token_is_counted_but_not_in_the_text(engines):
+    """A stop_token_ids token (an ordinary one, from the free output) ends the output: counted, with
+    its logprob entry, and like an end token not part of the text (a break-it round found its text
+    kept), with and without a draft."""
+    for spec in ("off", "self"):
+        eng = engines[spec]
+        free = _run(eng, [("hello", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), None)])[0][0]
+        t = free.token_ids[2]
+        k = free.token_ids.index(t)
+        sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[t], logprobs=0)
+        out, streamed, _ = _run(eng, [("hello", sp, None)])[0]
+        assert out.finish_reason == "stop" and out.stop_reason == t
+        assert out.token_ids == free.token_ids[:k + 1] and len(out.logprobs) == k + 1
+        assert out.text == streamed == eng.tokenizer.decode(free.token_ids[:k])
+        assert eng.tokenizer.decode([t])  # t has text of its own, which the output leaves out
+
+
+def test_token_starts_after_an_invalid_byte(engines):
+    """Where each token of a decoded group starts: a byte that is invalid UTF-8 for good (0xFF)
+    stays U+FFFD and the next token starts after it, so a stream's logprob entries never run
+    ahead of its text (the break-it round: entries decoded to '\\ufffd\\x0c' while '\\ufffd' was out)."""
+    from mixserve.engine.detokenizer import detokenize_incrementally, tokens_in_text
+    from mixserve.sequence import Sequence
+
+    tok = engines["off"].tokenizer
+    seq = Sequence("t", "x", [120], SamplingParams(logprobs=1))
+    for t in (0xFF, 0x0C, ord("a")):
+        seq.token_ids.append(t)
+        detokenize_incrementally(tok, seq)
+    assert seq.text == "\ufffd\x0ca" and seq.token_starts == [0, 1, 2]
+    assert tokens_in_text(seq, 1) == 1  # only the invalid byte's token is in a text of one character
