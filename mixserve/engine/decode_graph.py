@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import statistics
+import sys
+import threading
 import time
 import types
 
@@ -197,28 +199,25 @@ class BackgroundGraph:
     # waits a step made the 0.5B's eager steps 1.6 s instead of 0.15 s. A 0.1 ms interval for as
     # long as a background compile runs bounds that wait.
     SWITCH_INTERVAL_S = 1e-4
-    _running = 0
-    _saved_interval = None
+    _lock = threading.Lock()
+    _running = 0  # background compiles in this process (under _lock), and the interval before the first
+    _saved_interval = 0.0
 
     def __init__(self, runner, make_graph):
-        import sys
-        import threading
-
         self.graph: DecodeGraph | None = None
         self._make_graph = make_graph  # made on the thread too: torch.compile's imports take ~2.5 s
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.ready = threading.Event()
-        if BackgroundGraph._running == 0:
-            BackgroundGraph._saved_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(BackgroundGraph._saved_interval, self.SWITCH_INTERVAL_S))
-        BackgroundGraph._running += 1
+        with BackgroundGraph._lock:
+            if BackgroundGraph._running == 0:
+                BackgroundGraph._saved_interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(BackgroundGraph._saved_interval, self.SWITCH_INTERVAL_S))
+            BackgroundGraph._running += 1
         self.thread = threading.Thread(target=self._run, args=(runner,), name="mixserve-decode-graph", daemon=True)
         self.thread.start()
 
     def _run(self, runner) -> None:
-        import sys
-
         t0 = time.perf_counter()
         try:
             self.graph = self._make_graph()
@@ -228,17 +227,16 @@ class BackgroundGraph:
             self.error = e
         finally:
             self.seconds = time.perf_counter() - t0
-            BackgroundGraph._running -= 1
-            if BackgroundGraph._running == 0 and BackgroundGraph._saved_interval is not None:
-                sys.setswitchinterval(BackgroundGraph._saved_interval)
+            with BackgroundGraph._lock:
+                BackgroundGraph._running -= 1
+                if BackgroundGraph._running == 0:
+                    sys.setswitchinterval(BackgroundGraph._saved_interval)
             self.ready.set()
 
 
 def pending_background_graphs() -> int:
     """Background graph compiles still running in this process (the CLI exits without them)."""
-    import threading
-
-    return sum(1 for t in threading.enumerate() if t.name == "mixserve-decode-graph" and t.is_alive())
+    return BackgroundGraph._running
 
 
 def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,

@@ -309,8 +309,7 @@ class ModelRunner:
         bg = self.pending_graph
         if bg is None:
             return False
-        ready = bg.ready.is_set() if wait == 0 else bg.ready.wait(wait)
-        if not ready:
+        if not bg.ready.wait(wait):
             return True
         self.pending_graph = None
         if bg.error is not None:

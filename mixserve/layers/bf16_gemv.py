@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.env import cpu_flags
 from mixserve.layers.cpp_build import build_extension
 
 MAX_ROWS = 4  # rows handled per call; more rows reuse each weight load enough for GEMM kernels
@@ -121,18 +120,13 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("bf16_gemv", &gemv); }
 """
 
 _state: dict = {}
-NEEDS = {"avx512_bf16", "avx512f"}  # the kernel's instructions, as /proc/cpuinfo names them
+NEEDS = frozenset({"avx512_bf16", "avx512f"})  # the kernel's instructions, as /proc/cpuinfo names them
 
 
 def _load():
     # a dispatcher op, so a captured decode graph calls it without a graph break
     if "mod" not in _state:
-        flags = cpu_flags()
-        if flags and not NEEDS <= flags:
-            # a CPU without them: no ~20 s C++ build only to learn that (the build's own check stays)
-            _state["mod"] = None
-            return None
-        mod = build_extension("mixserve_bf16_gemv_v3", _SRC, ["available"])
+        mod = build_extension("mixserve_bf16_gemv_v3", _SRC, ["available"], needs=NEEDS)
         if mod is not None:
             torch.library.register_fake("mixserve::bf16_gemv")(
                 lambda x, w, b, f: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if f else x.dtype))

@@ -1,8 +1,9 @@
 """Building our few C++ kernels once with torch.utils.cpp_extension, cached per torch version.
 
-Each is a plain shared library (ATen and the op registry, no pybind11: ~13 s of compile a kernel on
-2 cores against ~42 s with `<torch/extension.h>`), loaded with torch.ops.load_library; the
-functions a caller names are registered as ops `torch.ops.<name>.<function>`.
+Each is a plain shared library (ATen, `torch::` types and the op registry, no pybind11: three builds
+took 32 s on a 2-core AVX2 EPYC against 139 s with `<torch/extension.h>`, benchmarks/startup.py),
+loaded with torch.ops.load_library; the functions a caller names are registered as ops
+`torch.ops.<name>.<function>`. A kernel whose instructions (`needs`) this CPU lacks is not built.
 
 A kernel is compiled for this machine (-march=native) into `<cache root>/kernels/torch-<version>`;
 `MIXSERVE_NO_CPP_KERNELS=1` or a failed build (no compiler, no headers) gives None, and callers
@@ -19,14 +20,14 @@ import time
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import cache_root, cpu_isa_key, cpu_model, remove_stale_tmp, tmp_sibling
+from mixserve.env import cache_root, cpu_flags, cpu_isa_key, cpu_model, remove_stale_tmp, tmp_sibling
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
 _FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
-def build_extension(name: str, source: str, functions: list[str]):
+def build_extension(name: str, source: str, functions: list[str], needs: frozenset[str] = frozenset()):
     """The compiled module `name` (its C++ `source` exporting `functions`), or None where it cannot
     be built. The build folder is keyed by the CPU's model and instruction set (-march=native code
     is not portable: two machines named "AMD EPYC" differ in AVX-512) and by a hash of the source,
@@ -38,6 +39,13 @@ def build_extension(name: str, source: str, functions: list[str]):
     already there that does not load (truncated, foreign) is built again (issue 46)."""
     if name in _built:
         return _built[name]
+    flags = cpu_flags()
+    if needs and flags and not set(needs) <= flags:
+        # a CPU without them (/proc/cpuinfo's names): no ~20 s build only to learn the kernel cannot
+        # run here; where the flags are unreadable the build and the kernel's own check decide
+        log.info("C++ kernel %s: this CPU lacks %s; not built", name, ", ".join(sorted(set(needs) - flags)))
+        _built[name] = None
+        return None
     mod = None
     t0 = time.perf_counter()
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
@@ -72,8 +80,8 @@ def _import_built(name: str, so, functions: list[str]):
 
 def _lite_source(name: str, source: str, functions: list[str]) -> str:
     """`source` as a plain shared library: ATen, `torch::` types and the op registry instead of
-    `<torch/extension.h>` (which brings pybind11 and the whole C++ frontend: ~42 s of compile per
-    kernel on 2 cores against ~13 s, issue 32), and each of `functions` registered as an op
+    `<torch/extension.h>` (which brings pybind11 and the whole C++ frontend; issue 32), and each of
+    `functions` registered as an op
     `torch.ops.<name>.<function>` with its schema inferred from the C++ signature."""
     head = "#include <torch/library.h>\n#include <torch/types.h>"
     body = source.replace("#include <torch/extension.h>", head) if "<torch/extension.h>" in source \

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.env import cpu_flags
 from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
 
 CHUNK = 128  # input channels per 64-byte chunk (and per activation scale)
@@ -252,17 +251,12 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
 """.replace("@QUANTIZE_ROW@", QUANTIZE_ROW_SRC)
 
 _state: dict = {}
-NEEDS = {"avx512_vnni", "avx512bw"}  # the kernel's instructions, as /proc/cpuinfo names them
+NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # the kernel's instructions, as /proc/cpuinfo names them
 
 
 def _load():
     if "mod" not in _state:
-        flags = cpu_flags()
-        if flags and not NEEDS <= flags:
-            # a CPU without them: no ~20 s C++ build only to learn that (the build's own check stays)
-            _state["mod"] = None
-            return None
-        mod = build_extension("mixserve_int4_vnni_v9", _SRC, ["available", "dequant"])
+        mod = build_extension("mixserve_int4_vnni_v9", _SRC, ["available", "dequant"], needs=NEEDS)
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::int4_vnni_matmul")(

@@ -106,12 +106,9 @@ def amx_permitted(cpu_flags: str | None = None, request: Callable[[], bool] | No
     each process to request the AMX state with arch_prctl; torch._C._cpu._init_amx does it).
     Where the request fails, oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA) so that it never
     issues an AMX instruction it may not run, the fault that kills llama.cpp's AMX build."""
-    if cpu_flags is None:
-        try:
-            cpu_flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-        except OSError:
-            cpu_flags = ""
-    if "amx_tile" not in cpu_flags.split():
+    from mixserve.env import cpu_flags as read_cpu_flags
+
+    if "amx_tile" not in (read_cpu_flags() if cpu_flags is None else set(cpu_flags.split())):
         return False
     request = request or getattr(torch._C._cpu, "_init_amx", lambda: False)
     try:

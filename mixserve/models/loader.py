@@ -5,6 +5,7 @@ int4 checkpoints and load-time RTN quant/loading.py; the network models/llama.py
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -60,12 +61,12 @@ def _load_native_gguf(path, dtype, max_positions, progress):
         folder = gguf_meta_dir(path)
         return folder, _tokenizer(folder)
 
-    tok_later = _Later(meta)
+    tok_later = _later(meta)
     try:
         cfg, _, weights, types = read_gguf_native(path, progress=progress)
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
     except BaseException:
-        tok_later.result_quietly()
+        concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
         raise
     parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
     native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
@@ -86,35 +87,15 @@ def _tokenizer(folder: Path):
     return None
 
 
-class _Later:
-    """fn() on a thread, started now; result() joins it and returns its value or raises its
-    exception. The tokenizer loads this way beside the weights: importing transformers and
-    parsing tokenizer.json (~2.9 s of a warm 0.5B start, issue 32) is mostly the GIL-free
-    Rust parser and file reads, the weights' load mostly GIL-free copies."""
-
-    def __init__(self, fn):
-        import threading
-
-        self._out: tuple = ()
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="mixserve-tokenizer", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = (fn(), None)
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller by result()
-            self._out = (None, e)
-
-    def result_quietly(self) -> None:
-        """Join, dropping the value or error (the caller is failing for another reason)."""
-        self._thread.join()
-
-    def result(self):
-        self._thread.join()
-        value, error = self._out
-        if error is not None:
-            raise error
-        return value
+def _later(fn) -> concurrent.futures.Future:
+    """fn() on a thread of its own, started now. The tokenizer loads this way beside the weights:
+    importing transformers and parsing tokenizer.json (~2.9 s of a warm 0.5B start, issue 32) is
+    mostly the GIL-free Rust parser and file reads, the weights' load mostly GIL-free copies."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenizer")
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with fn
 
 
 def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, progress: bool = True,
@@ -167,12 +148,12 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     if lm_head and quant is not None:
         quant.lm_head = True
         quant.lm_head_group_size = group_size
-    tok_later = _Later(lambda: _tokenizer(Path(folder)))
+    tok_later = _later(lambda: _tokenizer(Path(folder)))
     try:
         weights = load_hf_weights(folder)
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, quant)
     except BaseException:
-        tok_later.result_quietly()
+        concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
         raise
     del weights
     kind = "int4 " + quant.method if quant is not None else "dense"

@@ -335,21 +335,34 @@ def test_converted_copies_in_the_cache_are_keyed_by_the_files_identity(tmp_path,
 
 def test_a_cpu_without_the_instructions_builds_nothing(monkeypatch):
     # on an AVX2-only CPU the kernel's C++ build (~40 s cold) only found out it could not run
-    from mixserve.layers import gguf_kernels
+    from mixserve.layers import bf16_gemv, cpp_build, gguf_kernels, int4_vnni
 
-    saved = dict(gguf_kernels._state)
-    built = []
-    monkeypatch.setattr(gguf_kernels, "build_extension", lambda *a, **k: built.append(a) or None)
-    monkeypatch.setattr(gguf_kernels, "cpu_flags", lambda: {"avx2", "fma"})
-    try:
-        gguf_kernels._state.clear()
-        assert not gguf_kernels.available() and built == []
-        gguf_kernels._state.clear()
-        monkeypatch.setattr(gguf_kernels, "cpu_flags", set)  # /proc/cpuinfo unreadable: the build decides
-        assert not gguf_kernels.available() and len(built) == 1
-    finally:
-        gguf_kernels._state.clear()
-        gguf_kernels._state.update(saved)
+    builds = []
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    monkeypatch.setattr(cpp_build, "_import_built", lambda *a: None)
+    monkeypatch.setattr(cpp_build, "_build", lambda name, *a: builds.append(name) or "module")
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx2", "fma"})
+    assert cpp_build.build_extension("mixserve_test_needs", "// src", ["f"], needs=frozenset({"avx512_vnni"})) is None
+    assert builds == []
+    cpp_build._built.pop("mixserve_test_needs")
+    monkeypatch.setattr(cpp_build, "cpu_flags", set)  # /proc/cpuinfo unreadable: the build decides
+    assert cpp_build.build_extension("mixserve_test_needs", "// src", ["f"], needs=frozenset({"avx512_vnni"})) == "module"
+    assert builds == ["mixserve_test_needs"]
+    cpp_build._built.pop("mixserve_test_needs")
+    # the AVX-512 kernels say what they need
+    assert gguf_kernels.NEEDS == int4_vnni.NEEDS == {"avx512_vnni", "avx512bw"}
+    assert bf16_gemv.NEEDS == {"avx512_bf16", "avx512f"}
+    for mod in (gguf_kernels, int4_vnni, bf16_gemv):
+        seen = []
+        saved = dict(mod._state)
+        monkeypatch.setattr(mod, "build_extension", lambda *a, **k: seen.append(k.get("needs")) or None)
+        try:
+            mod._state.clear()
+            mod._load()
+        finally:
+            mod._state.clear()
+            mod._state.update(saved)
+        assert seen == [mod.NEEDS]
 
 
 def test_a_quantize_with_other_settings_replaces_the_checkpoint_in_its_folder(tmp_path):
