@@ -66,6 +66,16 @@ def _weight_guards_dropped(entries) -> list[bool]:
                  and "_cache" not in e.name) for e in entries]
 
 
+def _symbolic(t: torch.Tensor, dim: int) -> None:
+    """Compile `t`'s size along `dim` as a symbol, not a constant: the KV cache's block count, the
+    block-table width and the RoPE tables' length (both from max_model_len) then stay out of the
+    graph, so another
+    --kv-cache-memory or --max-model-len reuses the compiled code (Inductor's cache key) instead
+    of compiling again (issue 32). Sizes 0 and 1 are left alone: Dynamo specialises them anyway."""
+    if t.shape[dim] > 1:
+        torch._dynamo.mark_dynamic(t, dim)
+
+
 def _own_function(fn):
     """A copy of the plain function `fn` (an unbound method) over a copy of its code object.
     Dynamo keeps compiled graphs, and their recompile budget, per code object: compiling a bound
@@ -135,9 +145,15 @@ class DecodeGraph:
         self.tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         which = "1 row" if n == 1 else "2+ rows"
         t0 = time.perf_counter() if which not in self.compile_s else None
+        view = self.tables[:n]
+        _symbolic(view, 1)
+        if t0 is not None:
+            for t in [self.model.rope.cos, self.model.rope.sin_signed] + [
+                    c for layer in self.model.layers for c in (layer.k_cache, layer.v_cache)]:
+                _symbolic(t, 0)
         with torch.inference_mode():
             out = (self.fn1 if n == 1 else self.fn)(self.model, self.input_ids[:n], self.positions[:n],
-                                                    self.slots[:n], self.tables[:n], self.lens[:n])
+                                                    self.slots[:n], view, self.lens[:n])
         if t0 is not None:
             self.compile_s[which] = time.perf_counter() - t0
         self.num_steps += 1

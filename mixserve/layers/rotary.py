@@ -23,12 +23,14 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # plain attributes, not buffers (device.move_module moves them): Dynamo keeps a buffer's
+        # shapes static even when marked dynamic, and the tables' length (max_model_len) must not
+        # be part of the decode graph (engine/decode_graph.py, _symbolic)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: one roll instead of chunk, neg, cat
         half = head_dim // 2
-        self.register_buffer("sin_signed", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).to(dtype),
-                             persistent=False)
+        self.sin_signed = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).to(dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)

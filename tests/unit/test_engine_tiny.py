@@ -305,16 +305,27 @@ def test_aborting_the_leader_lets_its_followers_prefill(tiny):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def test_decode_graph_follows_a_rebound_cache(tiny, reference):
+def test_decode_graph_follows_a_rebound_cache(tiny, reference, tmp_path, monkeypatch):
     """Two engines on one loaded model with caches of different sizes, both on the compiled
     decode graph: the second engine's graph runs on its own cache (the graph is not reused with the
-    first cache's shapes), and both give the reference output."""
+    first cache's shapes), and both give the reference output. Another --kv-cache-memory,
+    --max-model-len or --max-num-seqs compiles nothing new: both of the second engine's graphs are
+    Inductor cache hits, because the block count, the table width and the RoPE tables' length are
+    symbols in the graph (issue 32)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = tiny
     fast = KERNELS[1]
     a = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=fast)
     check_all(a.generate([reference[0][0]], GREEDY), reference)
-    b = LLM(folder, dtype="float32", kv_cache_memory="4MiB", progress=False, kernels=fast)
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    b = LLM(folder, dtype="float32", kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=5, progress=False,
+            kernels=fast)
     assert b.engine.num_blocks != a.engine.num_blocks
+    assert set(b.engine.runner.graph.compile_s) == {"1 row", "2+ rows"}
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses, "another KV size or model length compiled again"
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
     check_all(b.generate([reference[i][0] for i in range(3)], GREEDY), reference)
     assert graph_ran(a, fast) and graph_ran(b, fast)
 
