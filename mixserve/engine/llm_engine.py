@@ -181,6 +181,16 @@ class LLMEngine:
         runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
         return not any([r.install_graph(timeout) for r in runners])
 
+    def new_tokenizer(self):
+        """Another instance of this engine's tokenizer, from model_dir (None where the model has
+        none): one tokenizer object must not be used from two threads (the server encodes on one
+        and decodes on another). Light where tokenizer.json is enough (models/tokenizer.py)."""
+        if self.tokenizer is None:
+            return None
+        from mixserve.models.tokenizer import load_tokenizer_folder
+
+        return load_tokenizer_folder(self.model_dir)
+
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted: the scheduler's waiting queue plus the samples of n > 1

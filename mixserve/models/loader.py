@@ -81,16 +81,16 @@ def _load_native_gguf(path, dtype, max_positions, progress):
 
 def _tokenizer(folder: Path):
     if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
+        from mixserve.models.tokenizer import load_tokenizer_folder
 
-        return AutoTokenizer.from_pretrained(str(folder))
+        return load_tokenizer_folder(folder)
     return None
 
 
 def _later(fn) -> concurrent.futures.Future:
     """fn() on a thread of its own, started now. The tokenizer loads this way beside the weights:
-    importing transformers and parsing tokenizer.json (~2.9 s of a warm 0.5B start, issue 32) is
-    mostly the GIL-free Rust parser and file reads, the weights' load mostly GIL-free copies."""
+    parsing tokenizer.json (models/tokenizer.py: transformers is not imported for it) is mostly the
+    GIL-free Rust parser and file reads, the weights' load mostly GIL-free copies."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenizer")
     try:
         return pool.submit(fn)

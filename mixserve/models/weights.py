@@ -334,12 +334,12 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
 
 
 def load_tokenizer(spec: str | Path):
-    """The HF tokenizer of a model (built-in name, GGUF path or HF folder) without its weights; a
+    """The tokenizer of a model (built-in name, GGUF path or HF folder) without its weights
+    (models/tokenizer.py: on `tokenizers` where that is enough, else transformers'); a
     GGUF is converted first (once). Raises FileNotFoundError / ValueError when the model cannot
     be resolved, ValueError when it has no tokenizer."""
-    from transformers import AutoTokenizer
-
     from mixserve.models.registry import resolve_model
+    from mixserve.models.tokenizer import load_tokenizer_folder
 
     r = resolve_model(spec)
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else Path(r.path)
@@ -351,7 +351,7 @@ def load_tokenizer(spec: str | Path):
             except (OSError, ValueError, KeyError, TypeError):
                 pass
         raise ValueError(f"model {spec!r} has no tokenizer (in {folder}){why}")
-    return AutoTokenizer.from_pretrained(str(folder))
+    return load_tokenizer_folder(folder)
 
 
 def load_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:

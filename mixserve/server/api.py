@@ -181,18 +181,20 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     """
     decoder = None
     if tokenizer is None and engine.tokenizer is not None:
-        from transformers import AutoTokenizer
-
         # Instances of our own: HF fast tokenizers can fail with "Already borrowed" when one
         # instance is used from two threads, and the engine thread decodes all the time. One
         # encodes on the tokenization thread, one decodes on the event loop.
-        tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
-        decoder = AutoTokenizer.from_pretrained(str(engine.model_dir))
+        tokenizer = engine.new_tokenizer()
+        decoder = engine.new_tokenizer()
     elif tokenizer is not None:
         decoder = tokenizer
     token_text = TokenText(decoder) if decoder is not None else None
     # one thread: prompts are tokenized (and so submitted) in arrival order
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenize")
+    if hasattr(type(tokenizer), "prepare_chat_template"):
+        # the light tokenizer (models/tokenizer.py) loads transformers' for the chat template on first
+        # use (~2 s): now, on the thread that tokenizes, so that no chat request waits for it
+        tokenize_pool.submit(tokenizer.prepare_chat_template)
     metrics: ServerMetrics | None = None
     loop = EngineLoop(engine, cfg.max_waiting, on_finish=lambda out: metrics.observe(out),
                       on_step=lambda seconds, tokens: metrics.observe_step(seconds, tokens),

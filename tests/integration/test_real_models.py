@@ -177,3 +177,40 @@ def test_smollm2_streaming_with_speculation(smollm2_path):
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
     joined, final = _stream(llm.engine, prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert joined == final.text and final.metrics["spec_accepted"] > 0
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen05"])
+def test_light_tokenizer_equals_transformers(name, smollm2_path, qwen05_path):
+    """The engine's tokenizer runs on `tokenizers` alone (models/tokenizer.py, issue 32): on both
+    real models every call the engine makes equals transformers' tokenizer of the same folder, and
+    the chat template (delegated) renders the same text."""
+    from transformers import AutoTokenizer
+
+    from mixserve.data.datasets import load_humaneval
+    from mixserve.models.tokenizer import Tokenizer
+    from mixserve.models.weights import load_tokenizer
+
+    light = load_tokenizer(smollm2_path if name == "smollm2" else qwen05_path)
+    assert isinstance(light, Tokenizer)
+    hf = AutoTokenizer.from_pretrained(light.name_or_path)
+    texts = [r.prompt for r in load_humaneval(20)] + [
+        "Repeat exactly: 霓虹灯 🎉👩‍💻 naïve café", "a<|im_end|>b<|im_start|>user\n<|endoftext|>", "", " ",
+        "  two spaces\t\ttabs\n\n\n", "x" * 500, "Ġ ĊĠ (byte-level letters)", "\ufffd\x00\x7f"]
+    assert len(light) == len(hf) and light.chat_template == hf.chat_template
+    for t in ("eos", "bos", "pad", "unk"):
+        assert getattr(light, f"{t}_token_id") == getattr(hf, f"{t}_token_id"), t
+    for text in texts:
+        for special in (True, False):
+            ids = light.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special) == hf(text, add_special_tokens=special)["input_ids"]
+            assert light(text, add_special_tokens=special)["input_ids"] == ids
+            for skip in (True, False):
+                assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    ids = sorted(set(range(0, len(hf), 131)) | {len(hf) - 1, light.eos_token_id})
+    assert light.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+    assert light.decode(ids) == hf.decode(ids) and light.decode(ids[3]) == hf.decode(ids[3])
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi 🎉"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "def f(x):"}]
+    for gen in (True, False):
+        assert (light.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+                == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen))
