@@ -19,6 +19,7 @@ says otherwise), so only a machine's first start pays the compile (stated by `de
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import sys
@@ -109,13 +110,22 @@ class DecodeGraph:
             # eager's bf16 roundings between fused elementwise ops, so a graph's row is an eager row
             # (layers/batch_invariance.py)
             opts["emulate_precision_casts"] = True
+        # Both static but for the sizes `_first_call` marks: the row count (in the 2+ graph), the
+        # KV cache's block count, the table width and the RoPE tables' length. dynamic=True made
+        # every size a symbol, the weights' too, and equal sizes one symbol (a KV head count of 2
+        # was the row count of the warm-up), so the graph changed with coincidences of sizes.
         self.fn1 = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
-        self.fn = torch.compile(_own_function(type(model).decode), dynamic=True, options=opts)
+        self.fn = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long)
         self.positions = torch.zeros(max_rows, dtype=torch.long)
         self.slots = torch.zeros(max_rows, dtype=torch.long)
         self.lens = torch.ones(max_rows, dtype=torch.long)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
+        # a step's inputs are views of these buffers, and Dynamo traces a view with its base: the
+        # bases' sizes (max_num_seqs, max_model_len) must be symbols too, or they enter the graph
+        for t in (self.input_ids, self.positions, self.slots, self.lens, self.tables):
+            _symbolic(t, 0)
+        _symbolic(self.tables, 1)
         self.compile_s: dict[str, float] = {}  # first call of each graph ("1 row", "2+ rows"): seconds
         self.num_steps = 0  # steps run here
 
@@ -145,19 +155,37 @@ class DecodeGraph:
         self.tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         which = "1 row" if n == 1 else "2+ rows"
         t0 = time.perf_counter() if which not in self.compile_s else None
-        view = self.tables[:n]
-        _symbolic(view, 1)
-        if t0 is not None:
-            for t in [self.model.rope.cos, self.model.rope.sin_signed] + [
-                    c for layer in self.model.layers for c in (layer.k_cache, layer.v_cache)]:
-                _symbolic(t, 0)
-        with torch.inference_mode():
-            out = (self.fn1 if n == 1 else self.fn)(self.model, self.input_ids[:n], self.positions[:n],
-                                                    self.slots[:n], view, self.lens[:n])
+        args = (self.input_ids[:n], self.positions[:n], self.slots[:n], self.tables[:n], self.lens[:n])
+        with torch.inference_mode(), self._first_call(args) if t0 is not None else contextlib.nullcontext():
+            out = (self.fn1 if n == 1 else self.fn)(self.model, *args)
         if t0 is not None:
             self.compile_s[which] = time.perf_counter() - t0
         self.num_steps += 1
         return out
+
+
+    @contextlib.contextmanager
+    def _first_call(self, args):
+        """Around a graph's first call, which traces and compiles it (or loads it from Inductor's
+        cache): which sizes are symbols is decided here, and only here, so that the graph, and
+        Inductor's cache key, depend on nothing but the model and the dtype (issue 32: another
+        --kv-cache-memory, --max-model-len or --max-num-seqs compiles nothing new)."""
+        ids, positions, slots, tables, lens = args
+        if ids.shape[0] > 1:
+            for t in (ids, positions, slots, tables, lens):
+                _symbolic(t, 0)
+        _symbolic(tables, 1)
+        m = self.model
+        for t in [m.rope.cos, m.rope.sin_signed] + [c for layer in m.layers for c in (layer.k_cache, layer.v_cache)]:
+            _symbolic(t, 0)
+        import torch.fx.experimental._config as fx_config
+
+        # Dynamo's automatic dynamic shapes would make sizes symbols by what earlier graphs of this
+        # process saw (its state is keyed by the code's file and line, which every copy shares);
+        # duck sizing would make equal sizes one symbol. Either makes the graph depend on history
+        # or coincidence.
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False), fx_config.patch(use_duck_shape=False):
+            yield
 
 
 def dummy_decode_steps(runner, rows: int, context: int, steps: int, run) -> list[float]:

@@ -305,7 +305,7 @@ def test_aborting_the_leader_lets_its_followers_prefill(tiny):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def test_decode_graph_follows_a_rebound_cache(tiny, reference, tmp_path, monkeypatch):
+def test_decode_graph_follows_a_rebound_cache(tiny, reference):
     """Two engines on one loaded model with caches of different sizes, both on the compiled
     decode graph: the second engine's graph runs on its own cache (the graph is not reused with the
     first cache's shapes), and both give the reference output. Another --kv-cache-memory,
@@ -314,7 +314,6 @@ def test_decode_graph_follows_a_rebound_cache(tiny, reference, tmp_path, monkeyp
     symbols in the graph (issue 32)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder, _ = tiny
     fast = KERNELS[1]
     a = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=fast)
