@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -861,18 +862,17 @@ def main(argv=None) -> int:
 
 
 def entry() -> int:
-    """The `mixserve` console command: main(), then an exit that never waits for a background
-    decode-graph compile (what Inductor finished is in its cache; the rest is abandoned)."""
+    """The `mixserve` console command: main(), then an exit that skips the interpreter's
+    finalization. What a command writes is flushed and its log handlers closed first; what is
+    skipped is waiting for a background decode-graph compile (what Inductor finished is in its
+    cache; the rest is abandoned) and tearing down threads that may still run: a daemon thread
+    holding stdout's lock, or a C++ thread pool's static destructor, at finalization aborts the
+    process (a `serve` that had drained and stopped cleanly once exited with SIGABRT, -6, in CI)."""
     rc = main()
-    if "mixserve.engine.decode_graph" not in sys.modules:  # no engine was made
-        return rc
-    from mixserve.engine.decode_graph import pending_background_graphs
-
-    if pending_background_graphs():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    return rc
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0 if rc is None else rc if isinstance(rc, int) else 1)
 
 
 if __name__ == "__main__":

@@ -278,11 +278,6 @@ class BackgroundGraph:
             self.ready.set()
 
 
-def pending_background_graphs() -> int:
-    """Background graph compiles still running in this process (the CLI exits without them)."""
-    return BackgroundGraph._running
-
-
 def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,
                             steps: int = 6) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this

@@ -638,7 +638,7 @@ def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path, t
         assert short["finish"] == "length" and len(short["ids"]) == 12  # finished within the grace period
         # aborted when the grace period ran out, and ended properly: a last chunk, then [DONE]
         assert "error" not in long and long["finish"] == "abort" and len(long["ids"]) < 2000
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 0, log()
         assert "timeout graceful shutdown exceeded" not in log(), log()  # nothing left for uvicorn to cut
         with pytest.raises(httpx.TransportError):  # no longer accepting
             httpx.get(url + "/health")
