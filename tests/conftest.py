@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +14,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # (decode_graph=compiled, ...), and the one test of measured choices on a real model sets
 # MIXSERVE_KERNEL_TIMING=measure (test_real_models.py). Suite time: issue 32.
 os.environ.setdefault("MIXSERVE_KERNEL_TIMING", "prior")
+# ... and they read a choices file of the suite's own, empty at its start: a machine's cached
+# choices (a compiled decode graph, measured by an earlier run or by the one test above) would
+# otherwise be taken by every later engine, each loading a graph at its start (the replica tests'
+# cluster took 106 s instead of 22 s so). Tests of the cache itself name their own files.
+if "MIXSERVE_KERNEL_CACHE" not in os.environ:
+    _choices = tempfile.mkdtemp(prefix="mixserve-suite-choices-")
+    atexit.register(shutil.rmtree, _choices, True)
+    os.environ["MIXSERVE_KERNEL_CACHE"] = os.path.join(_choices, "choices.json")
 
 
 @pytest.fixture(scope="session")

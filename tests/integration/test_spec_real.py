@@ -56,7 +56,7 @@ def _capture(engine, into: dict):
 
 
 @pytest.mark.parametrize("invariant", ["on", "off"])
-def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant, monkeypatch):
+def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant, monkeypatch, tmp_path):
     """bf16, --batch-invariant off: a (k+1)-row verification forward and a 1-row decode step round
     the body's activations differently, so their logits differ by a small noise; speculative greedy
     may then leave plain greedy only where plain's top-2 gap is within that noise. The noise is
@@ -70,6 +70,7 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     # bf16 noise, and so the outright matches counted below, depend on which kernel rounds; the
     # decode graph stays eager (its compile is tested elsewhere: ~2 minutes of this test on a cold cache)
     monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
+    monkeypatch.setenv("MIXSERVE_KERNEL_CACHE", str(tmp_path / "choices.json"))  # kept from the rest of the suite
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
               batch_invariant=invariant, kernels="decode_graph=eager")
