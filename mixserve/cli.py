@@ -64,11 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefix, its prompt's chunking or the decode path (one numeric path per weight and row; "
                         "README 'One request, one answer'); off: the fastest kernel measured at each row count "
                         "(default %(default)s)")
-    p.add_argument("--graph-warmup", default="background", choices=["background", "foreground"],
+    p.add_argument("--graph-warmup", default="auto", choices=["auto", "background", "foreground", "off"],
                    help="background: a decode graph known from the cache is compiled (or loaded from Inductor's "
                         "cache) while the first steps run eager, and used once ready, so the first token never "
-                        "waits for it; foreground: before the first request (default %(default)s; `bench` waits "
-                        "for it before its clock starts)")
+                        "waits for it; foreground: before the first request (`bench` waits for it before its "
+                        "clock starts); off: no decode graph; auto (the default): off for a `generate` of fewer "
+                        f"than {SHORT_RUN_TOKENS} tokens, which ends before a graph would be ready and would only "
+                        "share its cores with the load, else background")
     p.add_argument("--device", default=d.device,
                    help="auto (CUDA when PyTorch sees a GPU, else the CPU), cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--quant-lm-head", action=argparse.BooleanOptionalAction, default=None,
@@ -77,11 +79,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "compute dtype")
 
 
+SHORT_RUN_TOKENS = 128  # `generate --graph-warmup auto`: fewer tokens than this run without a decode graph
+
+
 def engine_args(a: argparse.Namespace, **over):
     from mixserve.engine.args import EngineArgs
 
     names = {f.name for f in fields(EngineArgs)}
     kw = {k: v for k, v in vars(a).items() if k in names}
+    if kw.get("graph_warmup") == "auto":
+        kw["graph_warmup"] = "background"
     kw.update(over)
     return EngineArgs(**kw)
 
@@ -107,7 +114,11 @@ def cmd_generate(a) -> int:
     # checked before the (slow) model load
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                         seed=a.seed, stop=a.stop)
-    llm = LLM(**vars(engine_args(a)))
+    # a short run ends before a background graph would be ready (~12 s to load for the 0.5B on 2
+    # cores) and only shares its cores with the load: 16 tokens took 10.0 s to exit with it, 7.0 s
+    # without (issue 32)
+    short = a.graph_warmup == "auto" and a.max_tokens < SHORT_RUN_TOKENS
+    llm = LLM(**vars(engine_args(a, **({"graph_warmup": "off"} if short else {}))))
     print(llm.engine.describe(), file=sys.stderr)
     prompts = a.prompt
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp) if a.chat else llm.generate(prompts, sp)

@@ -96,6 +96,8 @@ class EngineArgs:
         "background": on a thread while steps run eager, installed between two steps when ready
         (engine/decode_graph.py BackgroundGraph; the CLI's default: the first token never waits
         for it). A graph the chooser has to time is compiled by the timing, in the foreground.
+        "off": no decode graph this run, nothing timed for it (a run too short to gain from one:
+        the CLI's `generate` of fewer than 128 tokens).
     batch_invariant: "on" (the default): a request's logits do not depend on the batch, its cached
         prefix, its prompt's chunking or the eager / compiled path (layers/batch_invariance.py; on
         the CPU); "off": the kernels measured fastest at each row count, whose rounding does.
@@ -176,8 +178,8 @@ class EngineArgs:
         if self.kv_allocator == "contiguous" and self.draft_model not in (None, "ngram"):
             raise ValueError("kv_allocator: contiguous does not support a draft model (its cache is paged); "
                              "use --kv-allocator paged or --draft-model ngram")
-        if self.graph_warmup not in ("foreground", "background"):
-            raise ValueError(f"graph_warmup: must be foreground or background (got {self.graph_warmup!r})")
+        if self.graph_warmup not in ("foreground", "background", "off"):
+            raise ValueError(f"graph_warmup: must be foreground, background or off (got {self.graph_warmup!r})")
         if self.batch_invariant not in ("on", "off"):
             raise ValueError(f"batch_invariant: must be on or off (got {self.batch_invariant!r})")
         parse_bytes(self.kv_cache_memory)

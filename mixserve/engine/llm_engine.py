@@ -151,7 +151,7 @@ class LLMEngine:
         for r in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else []):
             if self.device.type == "cpu":
                 r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs,
-                                      background=args.graph_warmup == "background")
+                                      background=args.graph_warmup == "background", off=args.graph_warmup == "off")
             elif args.kernels != "eager":
                 r.use_cuda_graphs(self.max_model_len, args.max_num_seqs)
             else:

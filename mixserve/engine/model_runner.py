@@ -143,16 +143,21 @@ class ModelRunner:
         self.graph_choice = f"cuda graphs (rows {self.graph.rows[0]}..{self.graph.max_rows}, captured lazily)"
         return self.graph_choice
 
-    def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int, background: bool = False) -> str:
+    def choose_decode_graph(self, chooser, max_model_len: int, max_rows: int, background: bool = False,
+                            off: bool = False) -> str:
         """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
         (layers/kernel_choice.py, key `decode_graph/...`) measures it faster than eager steps, or
         an override or the cache says so. Returns "compiled", "eager", or why the graph is
         unsupported. background: a graph chosen without timing it (cache, override) is compiled
         or loaded on a thread while steps run eager, and installed when ready (`install_graph`);
-        a graph that was just timed is compiled already and used at once."""
+        a graph that was just timed is compiled already and used at once. off: no graph, nothing
+        timed (EngineArgs graph_warmup "off")."""
         from mixserve.engine.decode_graph import (BackgroundGraph, DecodeGraph, decode_graph_candidates,
                                                   graph_supported, max_graph_rows, warm_up)
 
+        if off:
+            self.graph_choice = "eager (--graph-warmup off)"
+            return self.graph_choice
         why = graph_supported(self.model)
         rows = max_graph_rows(self.model, max_rows)
         if why is None and rows < 1:

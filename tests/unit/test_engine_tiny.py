@@ -489,3 +489,19 @@ def test_graph_cache_raced_and_corrupted_still_gives_eager_output(tiny, tmp_path
         f.write_bytes(data[: len(data) // 2])
     r = result(start())
     assert r["out"] == ref
+
+
+def test_graph_warmup_off_makes_no_graph_and_times_nothing(tiny, monkeypatch, tmp_path):
+    """graph_warmup="off" (the CLI's `generate` of a short run): no decode graph, even where the
+    cache or an override names one, and nothing timed for it; the output is eager's."""
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
+    monkeypatch.setenv("MIXSERVE_KERNEL_CACHE", str(tmp_path / "choices.json"))
+    folder, _ = tiny
+    ref = LLM(folder, dtype="float32", kv_cache_memory="1MiB", kernels="eager", progress=False)
+    for kernels in ("auto", KERNELS[1]):
+        llm = LLM(folder, dtype="float32", kv_cache_memory="1MiB", kernels=kernels, progress=False, graph_warmup="off")
+        assert llm.engine.runner.graph is None and llm.engine.runner.pending_graph is None
+        assert "eager (--graph-warmup off)" in llm.engine.describe()
+        assert not any(k.startswith("decode_graph") for k in llm.engine.kernels.choices)
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        assert llm.generate([prompts(1)[0]], sp)[0].token_ids == ref.generate([prompts(1)[0]], sp)[0].token_ids
