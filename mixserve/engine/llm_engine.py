@@ -61,6 +61,26 @@ class RequestOutput:
     prompt_logprobs: list | None = None
 
 
+def _build_kernels_in_background(args: EngineArgs) -> None:
+    """Start the C++ builds (or loads) of the kernels a CPU engine of `args` runs, on a thread, so
+    that a cold start's builds overlap its GGUF conversion (layers/cpp_build.build_in_background)."""
+    from mixserve.layers import gguf_kernels, invariant_linear, paged_decode
+    from mixserve.layers.cpp_build import build_in_background
+
+    builds = [paged_decode.build]
+    if args.batch_invariant == "on":
+        builds.append(invariant_linear.build)
+    if args.load_gguf_weights != "dequantize":
+        from mixserve.models.registry import resolve_model
+
+        try:
+            if resolve_model(args.model, download=False).kind == "gguf":
+                builds.insert(0, gguf_kernels.build)  # the loader asks for it first (use_native_gguf)
+        except Exception:  # noqa: BLE001 -- only a hint here; load_model resolves (and pulls) and reports
+            pass
+    build_in_background(builds)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -81,6 +101,8 @@ class LLMEngine:
         bound_primitive_caches()  # before any oneDNN call, as amx_permitted below
         self.amx = amx_permitted()  # before any oneDNN call: caps its ISA where AMX is refused
         self.kernels = KernelChooser(overrides=None if args.kernels == "auto" else parse_overrides(args.kernels))
+        if loaded is None and self.device.type == "cpu":
+            _build_kernels_in_background(args)
         t0 = time.perf_counter()
         self.cfg, self.model, self.tokenizer, self.model_dir = loaded or load_model(
             args.model, self.dtype, args.max_model_len, args.progress, args.quantization, args.quant_group_size,

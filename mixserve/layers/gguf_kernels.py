@@ -384,9 +384,14 @@ _state: dict = {}
 NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # the kernel's instructions, as /proc/cpuinfo names them
 
 
+def build():
+    """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
+    return build_extension("mixserve_gguf_v4", _SRC, ["available"], needs=NEEDS)
+
+
 def _load():
     if "mod" not in _state:
-        mod = build_extension("mixserve_gguf_v4", _SRC, ["available"], needs=NEEDS)
+        mod = build()
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::gguf_matmul")(

@@ -208,10 +208,15 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("inv_linear", &inv_linear); }
 _state: dict = {}
 
 
+def build():
+    """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
+    return build_extension("mixserve_inv_linear_v4", _SRC, ["available"])
+
+
 def _load():
     # a dispatcher op, so a captured decode graph calls it without a graph break
     if "mod" not in _state:
-        mod = build_extension("mixserve_inv_linear_v4", _SRC, ["available"])
+        mod = build()
         if mod is not None:
             torch.library.register_fake("mixserve::inv_linear")(
                 lambda x, wp, n, b: x.new_empty(x.shape[0], n, dtype=torch.float32))

@@ -284,9 +284,14 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("paged_decode_attention", &paged_d
 _fake_registered = False
 
 
+def build():
+    """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
+    return build_extension("mixserve_paged_decode_v6", _SRC, ["paged_decode", "paged_rows"])
+
+
 def _load():
     global _fake_registered
-    mod = build_extension("mixserve_paged_decode_v6", _SRC, ["paged_decode", "paged_rows"])
+    mod = build()
     if mod is not None and not _fake_registered:
         # shapes for tracing (torch.compile): the output is q's
         torch.library.register_fake("mixserve::paged_decode_attention")(

@@ -373,3 +373,34 @@ def test_a_quantize_with_other_settings_replaces_the_checkpoint_in_its_folder(tm
     checkpoint.quantize(str(src), AWQConfig(method="rtn", group_size=32), out=out, progress=False, log=lambda s: None)
     checkpoint.quantize(str(src), AWQConfig(method="rtn", group_size=64), out=out, progress=False, log=lambda s: None)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
+
+
+def test_a_kernel_built_in_the_background_is_built_once(tmp_path, monkeypatch):
+    """build_in_background starts a build that the engine's own call then waits for: one compile,
+    both callers get the module (issue 32: a cold start's builds run beside the GGUF conversion)."""
+    import threading
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    from mixserve.layers import cpp_build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    calls, started = [], threading.Event()
+
+    def slow_load_inline(name, build_directory, **k):
+        calls.append(threading.current_thread().name)
+        started.set()
+        time.sleep(0.5)
+        open(f"{build_directory}/{name}.so", "wb").write(b"\x7fELF")
+        return "module"
+    monkeypatch.setattr(ext, "load_inline", slow_load_inline)
+    monkeypatch.setattr(cpp_build, "_Ops", lambda name, functions: "module")
+    build = lambda: cpp_build.build_extension("mixserve_test_k3", "// src", ["f"])  # noqa: E731
+    t = cpp_build.build_in_background([build])
+    assert started.wait(10)
+    assert build() == "module"  # waited for the background build instead of starting another
+    t.join(10)
+    assert calls == ["mixserve-kernel-build"]
+    cpp_build._built.pop("mixserve_test_k3")
