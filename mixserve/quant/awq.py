@@ -26,11 +26,14 @@ whose large-activation channels already hold large weights the premise of §3.2 
 search rightly picks α ≈ 0 (benchmarks/awq_diagnose.py, awq_salient.py).
 
 The objective's output error is computed as X (Q(W) - W)^T with the difference in float32 and the
-matmul in bfloat16: the error of a difference, so bf16's 3 significant digits are ample, and it is
-several times faster on CPUs with bf16 units.
+matmul in bfloat16 on CPUs with bf16 units (AVX512-BF16, AMX), where it is several times faster: the
+error of a difference, so bf16's 3 significant digits are ample. Elsewhere the matmul is float32, which
+an AVX2-only CPU runs 7x faster than its emulated bf16 (1.8 vs 12.5 ms for 128 x 576 @ 576 x 1536 on 2
+cores; SmolLM2's search 57 s -> ~15 s, issue 32).
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from mixserve.env import cpu_flags
 from mixserve.models.config import ModelConfig
 from mixserve.quant.groupwise import fake_quantize, quantizable
 
@@ -197,10 +201,15 @@ def block_forward(cfg: ModelConfig, w: dict, p: str, x: torch.Tensor, cos, sin, 
     return out
 
 
+@functools.cache
+def _diff_dtype() -> torch.dtype:
+    """The matmul dtype of weight differences (module docstring): bf16 where the CPU has bf16 units."""
+    return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+
+
 def _out_error(x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor) -> float:
     """Mean squared output error of using w_q for w on inputs x [N, in]."""
-    d = (w_q - w).to(torch.bfloat16)
-    return (x.to(torch.bfloat16) @ d.t()).float().pow(2).mean().item()
+    return _bf16_mm(x, w_q - w).pow(2).mean().item()
 
 
 class ScaleChoice(NamedTuple):
@@ -268,8 +277,10 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
 
 
 def _bf16_mm(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [.., in] @ d [out, in]^T in bfloat16, returned in float32: for weight differences d."""
-    return (x.to(torch.bfloat16) @ d.to(torch.bfloat16).t()).float()
+    """x [.., in] @ d [out, in]^T in bfloat16 where the CPU has bf16 units, else float32 (module
+    docstring), returned in float32: for weight differences d."""
+    dt = _diff_dtype()
+    return (x.to(dt) @ d.to(dt).t()).float()
 
 
 class AttentionProbe:
