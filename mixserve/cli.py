@@ -15,6 +15,12 @@ import mixserve.startup as startup
 from mixserve.env import machine_info
 
 
+# `generate --graph-warmup auto`: fewer tokens than this run without a decode graph. Set on one machine
+# (the 0.5B's background load took ~12 s on 2 AVX2 cores, where 128 eager steps take ~10 s); a machine
+# that loads sooner would gain from a graph in shorter runs too (issue 32)
+SHORT_RUN_TOKENS = 128
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from mixserve.engine.args import EngineArgs
 
@@ -79,8 +85,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "compute dtype")
 
 
-SHORT_RUN_TOKENS = 128  # `generate --graph-warmup auto`: fewer tokens than this run without a decode graph
-
 
 def engine_args(a: argparse.Namespace, **over):
     from mixserve.engine.args import EngineArgs
@@ -115,7 +119,7 @@ def cmd_generate(a) -> int:
     sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                         seed=a.seed, stop=a.stop)
     # a short run ends before a background graph would be ready (~12 s to load for the 0.5B on 2
-    # cores) and only shares its cores with the load: 16 tokens took 10.0 s to exit with it, 7.0 s
+    # cores) and only shares its cores with the load: 16 tokens took 10.0 s to exit with it, 6.7 s
     # without (issue 32)
     short = a.graph_warmup == "auto" and a.max_tokens < SHORT_RUN_TOKENS
     llm = LLM(**vars(engine_args(a, **({"graph_warmup": "off"} if short else {}))))

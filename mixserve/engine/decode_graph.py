@@ -68,11 +68,8 @@ def _weight_guards_dropped(entries) -> list[bool]:
 
 
 def _symbolic(t: torch.Tensor, dim: int) -> None:
-    """Compile `t`'s size along `dim` as a symbol, not a constant: the KV cache's block count, the
-    block-table width and the RoPE tables' length (both from max_model_len) then stay out of the
-    graph, so another
-    --kv-cache-memory or --max-model-len reuses the compiled code (Inductor's cache key) instead
-    of compiling again (issue 32). Sizes 0 and 1 are left alone: Dynamo specialises them anyway."""
+    """Compile `t`'s size along `dim` as a symbol, not a constant (DecodeGraph._first_call says which
+    sizes). Sizes 0 and 1 are left alone: Dynamo specialises them anyway."""
     if t.shape[dim] > 1:
         torch._dynamo.mark_dynamic(t, dim)
 
@@ -121,11 +118,6 @@ class DecodeGraph:
         self.slots = torch.zeros(max_rows, dtype=torch.long)
         self.lens = torch.ones(max_rows, dtype=torch.long)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
-        # a step's inputs are views of these buffers, and Dynamo traces a view with its base: the
-        # bases' sizes (max_num_seqs, max_model_len) must be symbols too, or they enter the graph
-        for t in (self.input_ids, self.positions, self.slots, self.lens, self.tables):
-            _symbolic(t, 0)
-        _symbolic(self.tables, 1)
         self.compile_s: dict[str, float] = {}  # first call of each graph ("1 row", "2+ rows"): seconds
         self.num_steps = 0  # steps run here
 
@@ -163,7 +155,6 @@ class DecodeGraph:
         self.num_steps += 1
         return out
 
-
     @contextlib.contextmanager
     def _first_call(self, args):
         """Around a graph's first call, which traces and compiles it (or loads it from Inductor's
@@ -172,9 +163,14 @@ class DecodeGraph:
         --kv-cache-memory, --max-model-len or --max-num-seqs compiles nothing new)."""
         ids, positions, slots, tables, lens = args
         if ids.shape[0] > 1:
-            for t in (ids, positions, slots, tables, lens):
+            for t in args:
                 _symbolic(t, 0)
         _symbolic(tables, 1)
+        # the inputs are views of the persistent buffers, and Dynamo traces a view with its base:
+        # the bases' sizes (max_num_seqs, max_model_len) are symbols too, or they enter the graph
+        for t in (self.input_ids, self.positions, self.slots, self.lens, self.tables):
+            _symbolic(t, 0)
+        _symbolic(self.tables, 1)
         m = self.model
         for t in [m.rope.cos, m.rope.sin_signed] + [c for layer in m.layers for c in (layer.k_cache, layer.v_cache)]:
             _symbolic(t, 0)

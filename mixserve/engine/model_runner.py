@@ -57,11 +57,10 @@ def _zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     where torch.zeros writes every byte now (a 0.5B's default cache took ~1-2 s of a warm start,
     issue 32). Page-aligned, at offset 0 of its storage (an offset would be one more size in a
     compiled decode graph). The tensor keeps the map alive."""
+    import math
     import mmap
 
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
+    n = dtype.itemsize * math.prod(shape)
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)

@@ -209,7 +209,7 @@ def _diff_dtype() -> torch.dtype:
 
 def _out_error(x: torch.Tensor, w_q: torch.Tensor, w: torch.Tensor) -> float:
     """Mean squared output error of using w_q for w on inputs x [N, in]."""
-    return _bf16_mm(x, w_q - w).pow(2).mean().item()
+    return _diff_mm(x, w_q - w).pow(2).mean().item()
 
 
 class ScaleChoice(NamedTuple):
@@ -276,8 +276,8 @@ def search_scale(x: torch.Tensor, x_mean: torch.Tensor, w: torch.Tensor, qc: AWQ
     return ScaleChoice(best[1], best[2], err_rtn, best[0])
 
 
-def _bf16_mm(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [.., in] @ d [out, in]^T in bfloat16 where the CPU has bf16 units, else float32 (module
+def _diff_mm(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [.., in] @ d [out, in]^T in _diff_dtype() (bfloat16 where the CPU has bf16 units, else float32: module
     docstring), returned in float32: for weight differences d."""
     dt = _diff_dtype()
     return (x.to(dt) @ d.to(dt).t()).float()
@@ -313,8 +313,8 @@ class AttentionProbe:
         return a.transpose(1, 2).reshape(B, T, c.q_size)
 
     def __call__(self, w_q: torch.Tensor) -> float:
-        a = self._attend(self.qkv + _bf16_mm(self.h, w_q - self.w))
-        return _bf16_mm(a - self.ref, self.wo).pow(2).mean().item()
+        a = self._attend(self.qkv + _diff_mm(self.h, w_q - self.w))
+        return _diff_mm(a - self.ref, self.wo).pow(2).mean().item()
 
 
 class MLPProbe:
@@ -335,8 +335,8 @@ class MLPProbe:
         self.act = F.silu(g) * u
 
     def __call__(self, w_q: torch.Tensor) -> float:
-        g, u = (self.gu + _bf16_mm(self.h, w_q - self.w)).split(self.n, -1)
-        return _bf16_mm(F.silu(g) * u - self.act, self.wd).pow(2).mean().item()
+        g, u = (self.gu + _diff_mm(self.h, w_q - self.w)).split(self.n, -1)
+        return _diff_mm(F.silu(g) * u - self.act, self.wd).pow(2).mean().item()
 
 
 def search_clip(x: torch.Tensor, w: torch.Tensor, qc: AWQConfig) -> torch.Tensor:
