@@ -134,8 +134,9 @@ def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfi
     Raises ValueError for an unsupported architecture or an unknown tensor name.
     """
     import gguf
+    from mixserve.models.gguf_file import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     cfg, extra = gguf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor", disable=not progress):
@@ -161,10 +162,11 @@ def read_gguf_native(path: str | Path, progress: bool = True) -> tuple[ModelConf
     Raises ValueError for an unsupported architecture or an unknown tensor name.
     """
     import gguf
+    from mixserve.models.gguf_file import open_gguf
 
     from mixserve.layers.gguf_linear import NATIVE_TYPES, GGUFWeight
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     cfg, extra = gguf_config(reader)
     tensors: dict = {}
     types: dict[str, list[int]] = {}
@@ -321,9 +323,9 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
     out = full.with_name(full.name + "-meta")
     if _complete(out):
         return out
-    import gguf
+    from mixserve.models.gguf_file import open_gguf
 
-    cfg, extra = gguf_config(gguf.GGUFReader(str(gguf_path)))
+    cfg, extra = gguf_config(open_gguf(gguf_path))
 
     def fill(tmp: Path) -> None:
         _write_meta(gguf_path, cfg, extra, tmp)

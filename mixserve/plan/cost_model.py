@@ -148,17 +148,17 @@ INT4 = WeightFormat("int4", 128)
 
 def gguf_format(path) -> WeightFormat:
     """The "gguf" WeightFormat of a GGUF file: the bytes per weight its tensors take as stored
-    (block sizes per the GGUF spec, `n_bytes` of gguf.GGUFReader), over the layers' 2-D tensors,
+    (block sizes per the GGUF spec, `n_bytes` of the `gguf` package's reader), over the layers' 2-D tensors,
     the LM head (`output.weight`, else the tied `token_embd.weight`) and the embedding; the label
     names the types by share of bytes (e.g. "Q4_K 68%, Q6_K 32%")."""
     from collections import Counter
 
-    import gguf
+    from mixserve.models.gguf_file import open_gguf
 
     body = [0, 0]
     types: Counter = Counter()
     head = embed = None
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in open_gguf(path).tensors:
         n, b = int(t.n_elements), int(t.n_bytes)
         if t.name == "token_embd.weight":
             embed = (n, b)

@@ -73,11 +73,11 @@ def gguf_shape_types(path, cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]
     """For each fused matmul shape (cost_model.linear_shapes), the GGUF block types of its parts
     as the file stores them, [(type, rows), ...] in output order, taken from the layer whose
     parts weigh most (the files mix types across layers; Q4_K_M's attn_v and ffn_down alternate)."""
-    import gguf
+    from mixserve.models.gguf_file import open_gguf
 
     parts = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
              "down": ("ffn_down",)}
-    by_name = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    by_name = {t.name: t for t in open_gguf(path).tensors}
     out = {}
     for shape, kinds in parts.items():
         best = None

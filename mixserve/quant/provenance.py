@@ -27,9 +27,9 @@ SOURCE_FILE = "mixserve_source.json"  # written by models/weights.py beside a de
 def gguf_release(path: str | Path) -> str | None:
     """The GGUF metadata that names an AWQ/GPTQ release, e.g. 'general.name "Qwen2.5 Coder 0.5B
     Instruct AWQ"', or None. Raises what gguf.GGUFReader raises for a file that is not a GGUF."""
-    import gguf
+    from mixserve.models.gguf_file import open_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     for key in GGUF_KEYS:
         f = reader.fields.get(key)
         if f is None:
