@@ -6,9 +6,9 @@ reading at one row (BENCHMARKS.md, issue 14). Here `LlamaForCausalLM.decode` is 
 torch.compile (Inductor, C++ codegen): the elementwise work fuses into a few C++ loops per layer,
 the linears stay our chosen kernels (oneDNN's through `layers/graph_ops.py`, int4 through
 PyTorch's op) and attention is one op per layer (`layers/paged_decode.py`: the KV write and the
-paged kernel). Shapes are dynamic in the row count, so one graph serves every batch of 2+ rows and
-one (size-1 specialised) the single stream; the batch's tensors are written into persistent
-buffers, not rebuilt per step.
+paged kernel). Shapes are dynamic in the row count, a count of 1 included, so one graph serves the
+single stream and every batch; the batch's tensors are written into persistent buffers, not rebuilt
+per step.
 
 Only decode-only steps whose every row samples one token are run here: prefill chunks,
 speculative verification and batches past `max_rows` take the eager path, which stays the
@@ -69,9 +69,9 @@ def _weight_guards_dropped(entries) -> list[bool]:
 
 def _symbolic(t: torch.Tensor, dim: int) -> None:
     """Compile `t`'s size along `dim` as a symbol, not a constant (DecodeGraph._first_call says which
-    sizes). Sizes 0 and 1 are left alone: Dynamo specialises them anyway."""
-    if t.shape[dim] > 1:
-        torch._dynamo.mark_dynamic(t, dim)
+    sizes), a size of 1 included: `backed_size_oblivious` (set around the first call) keeps Dynamo
+    from specialising it, so one graph serves 1 row and many."""
+    torch._dynamo.mark_dynamic(t, dim)
 
 
 def _own_function(fn):
@@ -98,7 +98,8 @@ class DecodeGraph:
         self.model = model
         self.block_size = block_size
         self.max_rows = max_rows
-        # one graph for 1 row, one with the row count dynamic (>= 2)
+        # one graph for every row count: two (1 row, 2+ rows) cost a second trace and compile at
+        # every start (Dynamo traces on every start, the cache only skips Inductor)
         # Inductor's wrapper asserts the size, stride and alignment of every input on every call:
         # ~350 checks a step for the weights alone (~0.5 ms at one row, profiled), for tensors whose
         # shapes are fixed at load; the batch buffers and the caches stay guarded by Dynamo
@@ -107,18 +108,17 @@ class DecodeGraph:
             # eager's bf16 roundings between fused elementwise ops, so a graph's row is an eager row
             # (layers/batch_invariance.py)
             opts["emulate_precision_casts"] = True
-        # Both static but for the sizes `_first_call` marks: the row count (in the 2+ graph), the
-        # KV cache's block count, the table width and the RoPE tables' length. dynamic=True made
-        # every size a symbol, the weights' too, and equal sizes one symbol (a KV head count of 2
-        # was the row count of the warm-up), so the graph changed with coincidences of sizes.
-        self.fn1 = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
+        # Static but for the sizes `_first_call` marks: the row count, the KV cache's block count,
+        # the table width and the RoPE tables' length. dynamic=True made every size a symbol, the
+        # weights' too, and equal sizes one symbol (a KV head count of 2 was the row count of the
+        # warm-up), so the graph changed with coincidences of sizes.
         self.fn = torch.compile(_own_function(type(model).decode), dynamic=False, options=opts)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long)
         self.positions = torch.zeros(max_rows, dtype=torch.long)
         self.slots = torch.zeros(max_rows, dtype=torch.long)
         self.lens = torch.ones(max_rows, dtype=torch.long)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
-        self.compile_s: dict[str, float] = {}  # first call of each graph ("1 row", "2+ rows"): seconds
+        self.compile_s: dict[str, float] = {}  # the graph's first call ("graph"): seconds
         self.num_steps = 0  # steps run here
 
     def accepts(self, items) -> bool:
@@ -145,13 +145,12 @@ class DecodeGraph:
         self.slots[:n] = torch.tensor(slots)
         self.lens[:n] = self.positions[:n] + 1
         self.tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        which = "1 row" if n == 1 else "2+ rows"
-        t0 = time.perf_counter() if which not in self.compile_s else None
+        t0 = time.perf_counter() if not self.compile_s else None
         args = (self.input_ids[:n], self.positions[:n], self.slots[:n], self.tables[:n], self.lens[:n])
         with torch.inference_mode(), self._first_call(args) if t0 is not None else contextlib.nullcontext():
-            out = (self.fn1 if n == 1 else self.fn)(self.model, *args)
+            out = self.fn(self.model, *args)
         if t0 is not None:
-            self.compile_s[which] = time.perf_counter() - t0
+            self.compile_s["graph"] = time.perf_counter() - t0
         self.num_steps += 1
         return out
 
@@ -162,9 +161,8 @@ class DecodeGraph:
         Inductor's cache key, depend on nothing but the model and the dtype (issue 32: another
         --kv-cache-memory, --max-model-len or --max-num-seqs compiles nothing new)."""
         ids, positions, slots, tables, lens = args
-        if ids.shape[0] > 1:
-            for t in args:
-                _symbolic(t, 0)
+        for t in args:
+            _symbolic(t, 0)
         _symbolic(tables, 1)
         # the inputs are views of the persistent buffers, and Dynamo traces a view with its base:
         # the bases' sizes (max_num_seqs, max_model_len) are symbols too, or they enter the graph
@@ -179,8 +177,10 @@ class DecodeGraph:
         # Dynamo's automatic dynamic shapes would make sizes symbols by what earlier graphs of this
         # process saw (its state is keyed by the code's file and line, which every copy shares);
         # duck sizing would make equal sizes one symbol. Either makes the graph depend on history
-        # or coincidence.
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False), fx_config.patch(use_duck_shape=False):
+        # or coincidence. backed_size_oblivious: a marked size of 1 (one row, a one-block table) is
+        # a symbol like any other, not specialised, so one graph serves every row count.
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
+                fx_config.patch(use_duck_shape=False, backed_size_oblivious=True):
             yield
 
 
@@ -206,8 +206,8 @@ def dummy_decode_steps(runner, rows: int, context: int, steps: int, run) -> list
 
 
 def warm_up(runner, graph: DecodeGraph, scratch: int | None = None) -> None:
-    """Compile (or load from Inductor's cache) both graphs now, as a GPU server captures its
-    graphs, so that no request's step waits for it. scratch: a KV block no sequence is ever given
+    """Compile (or load from Inductor's cache) the graph now, as a GPU server captures its
+    graphs, so that no request's step waits for it, and run it at 1 and 2 rows. scratch: a KV block no sequence is ever given
     (ModelRunner.pad_block): every warm-up row reads and writes only that block, so the warm-up may
     run while the engine steps (BackgroundGraph); None uses the cache's first blocks, before any
     request is admitted."""

@@ -54,16 +54,24 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self.qkv_proj(h)
-        # q and k heads rotated in one pass over their slice of the fused projection
-        qk = rope.rotate(qkv[:, :cfg.q_size + cfg.kv_size].view(T, -1, cfg.head_dim), *rope_tables)
+        # q and k heads rotated in one pass over their slice of the fused projection. The heads
+        # are a view of the whole (contiguous) projection, then sliced: a view of a slice makes
+        # Inductor's lowering ask whether the row count is 1, specialising the compiled decode
+        # graph to one row count (engine/decode_graph.py)
+        heads = qkv.view(T, -1, cfg.head_dim)
+        qk = rope.rotate(heads[:, :cfg.num_heads + cfg.num_kv_heads], *rope_tables)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = qkv[:, cfg.q_size + cfg.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = heads[:, cfg.num_heads + cfg.num_kv_heads:]
         if isinstance(meta, AttentionMetadata):
             a = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.decode_attention)
         elif self.k_cache.is_cuda:  # a CUDA graph's fixed-width step (engine/cuda_graph.py)
             a = gathered_decode_attention(q, k, v, self.k_cache, self.v_cache, *meta, self.scale)
         else:
-            a = paged_decode_attention(q, k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, *meta, self.scale)
+            # copies, not .contiguous(): whether a view is contiguous depends on a row count of 1,
+            # which would specialise the compiled graph to one row (engine/decode_graph.py)
+            a = paged_decode_attention(q, k.clone(memory_format=torch.contiguous_format),
+                                       v.clone(memory_format=torch.contiguous_format), self.k_cache, self.v_cache,
+                                       *meta, self.scale)
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)

@@ -42,7 +42,7 @@ def alone(llm):
 
 @pytest.mark.parametrize("others", [1, 7, 40])
 def test_seeded_alone_and_in_a_batch(llm, alone, others):
-    """Beside `others` requests (8 and 41 rows cross the measured row switches and the 1-row graph)."""
+    """Beside `others` requests (8 and 41 rows cross the measured row switches)."""
     free = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     prompts = [P] + [NEIGHBOURS[i % len(NEIGHBOURS)] + " " * (i // len(NEIGHBOURS)) for i in range(others)]
     outs = llm.generate(prompts, [seeded()] + [free] * others)

@@ -30,6 +30,7 @@ def run_compare(llm, hf, prompt_ids):
         assert len(o.token_ids) == 64
         ties += c.tie_used
     print(f"tie rule used {ties}/{len(prompt_ids)}")
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +140,7 @@ def test_qwen05_humaneval_greedy_matches_hf(qwen05, qwen05_path):
     ids = [llm.tokenizer.encode(r.prompt) for r in reqs]
     hf = AutoModelForCausalLM.from_pretrained(str(convert_gguf(qwen05_path, progress=False)),
                                               dtype=torch.float32).eval()
-    run_compare(llm, hf, ids)
-    outs = llm.generate(ids, GREEDY64)
+    outs = run_compare(llm, hf, ids)
     assert all("return" in o.text or "for " in o.text for o in outs), [o.text for o in outs]
 
 

@@ -309,8 +309,8 @@ def test_decode_graph_follows_a_rebound_cache(tiny, reference):
     """Two engines on one loaded model with caches of different sizes, both on the compiled
     decode graph: the second engine's graph runs on its own cache (the graph is not reused with the
     first cache's shapes), and both give the reference output. Another --kv-cache-memory,
-    --max-model-len or --max-num-seqs compiles nothing new: both of the second engine's graphs are
-    Inductor cache hits, because the block count, the table width and the RoPE tables' length are
+    --max-model-len or --max-num-seqs compiles nothing new: the second engine's graph is an
+    Inductor cache hit, because the block count, the table width and the RoPE tables' length are
     symbols in the graph (issue 32)."""
     from torch._dynamo.utils import counters
 
@@ -322,9 +322,9 @@ def test_decode_graph_follows_a_rebound_cache(tiny, reference):
     b = LLM(folder, dtype="float32", kv_cache_memory="4MiB", max_model_len=256, max_num_seqs=5, progress=False,
             kernels=fast)
     assert b.engine.num_blocks != a.engine.num_blocks
-    assert set(b.engine.runner.graph.compile_s) == {"1 row", "2+ rows"}
+    assert set(b.engine.runner.graph.compile_s) == {"graph"}
     assert counters["inductor"]["fxgraph_cache_miss"] == misses, "another KV size or model length compiled again"
-    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 2
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
     check_all(b.generate([reference[i][0] for i in range(3)], GREEDY), reference)
     assert graph_ran(a, fast) and graph_ran(b, fast)
 
@@ -352,7 +352,7 @@ def test_many_engines_in_one_process_each_get_a_compiled_graph(tiny, reference):
         llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1],
                   block_size=(16, 8)[i % 2])
         g = llm.engine.runner.graph
-        assert set(g.compile_s) == {"1 row", "2+ rows"}
+        assert set(g.compile_s) == {"graph"}
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     code = g.fn._torchdynamo_orig_callable.__code__
