@@ -300,7 +300,10 @@ def _write_meta(gguf_path: str | Path, cfg: ModelConfig, extra: dict, folder: Pa
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
+        from mixserve.models.gguf_file import package_reader_is_fast
+
+        with package_reader_is_fast():
+            tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
         tok.save_pretrained(str(folder))
     except (ValueError, KeyError, NotImplementedError) as e:  # a tokenizer type it cannot build (bert, t5)
         # a fact about the file and these library versions: kept with them, so that other versions

@@ -42,3 +42,29 @@ def test_not_a_gguf_is_refused_as_the_package_refuses_it(tmp_path):
         open_gguf(bad)
     with pytest.raises(ValueError, match="GGUF magic invalid"):
         gguf.GGUFReader(str(bad))
+
+
+def test_package_reader_is_fast_only_inside_and_restored_after_overlaps(tmp_path):
+    import threading
+
+    from mixserve.models.gguf_file import package_reader_is_fast
+
+    path = write_float_gguf(tmp_path / "float.gguf", tokenizer=True)
+    original = gguf.GGUFReader
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with package_reader_is_fast():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with package_reader_is_fast():
+        t.start()
+        assert entered.wait(10)
+        assert gguf.GGUFReader is not original and issubclass(gguf.GGUFReader, original)
+        _same(gguf.GGUFReader(str(path)), original(str(path)))
+    assert gguf.GGUFReader is not original  # the other thread's block is still open
+    leave.set()
+    t.join()
+    assert gguf.GGUFReader is original
