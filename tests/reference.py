@@ -5,6 +5,7 @@ below that, float rounding order can legitimately flip the argmax.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,23 @@ class Comparison:
     tie_used: bool
     position: int | None
     gap: float | None
+
+
+@functools.lru_cache(maxsize=2)
+def hf_gguf_model(gguf_path: str):
+    """transformers' float32 model of a GGUF file (its own GGUF loader: the reference for our
+    conversion too), loaded once per session and shared by the tests that read it (SmolLM2's took
+    ~20 s a load, three tests load it). The file is read through mixserve's fast reader, whose
+    fields and tensors equal gguf.GGUFReader's (tests/unit/test_gguf_file.py)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from mixserve.models.gguf_file import package_reader_is_fast
+
+    p = Path(gguf_path)
+    with package_reader_is_fast():
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=None):

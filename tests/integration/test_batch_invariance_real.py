@@ -85,15 +85,18 @@ def test_chunked_and_whole_prefill(llm):
 
 def test_eager_and_compiled(llm, alone):
     """The eager path (--kernels eager: no graph, no measured choice) against the compiled graph
-    (the default engine's where this machine chose it, else one forced to it)."""
+    (the default engine's where this machine chose it, else one forced to it). The graph is forced
+    on SmolLM2 only: the 0.5B's is the same code (its attention bias too, compiled on the tiny qwen2
+    models of tests/unit), and its compile took 37 s of the suite (issue 32)."""
     graph = llm.engine.runner.graph
-    if graph is None:
+    if graph is None and "smollm2" in llm.engine.args.model:
         forced = LLM(llm.engine.args.model, kernels="decode_graph=compiled", **ENGINE)
         graph = forced.engine.runner.graph
         assert key(forced.generate([P], seeded())[0]) == alone
-    steps = graph.num_steps
-    assert key(llm.generate([P], seeded())[0]) == alone
-    assert graph.num_steps > steps or llm.engine.runner.graph is None
+    if graph is not None:
+        steps = graph.num_steps
+        assert key(llm.generate([P], seeded())[0]) == alone
+        assert graph.num_steps > steps or llm.engine.runner.graph is None
     eager = LLM(llm.engine.args.model, kernels="eager", **ENGINE)
     assert eager.engine.runner.graph is None
     assert key(eager.generate([P], seeded())[0]) == alone

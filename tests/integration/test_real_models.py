@@ -4,7 +4,7 @@ import torch
 
 from mixserve import SamplingParams
 from mixserve.llm import LLM
-from tests.reference import compare_greedy, engine_logits_along, hf_greedy
+from tests.reference import compare_greedy, engine_logits_along, hf_gguf_model, hf_greedy
 
 pytestmark = pytest.mark.integration
 
@@ -12,12 +12,7 @@ GREEDY64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
 def hf_model(gguf_path):
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    p = Path(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    return hf_gguf_model(str(gguf_path))
 
 
 def run_compare(llm, hf, prompt_ids):
