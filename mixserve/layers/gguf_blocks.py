@@ -102,3 +102,40 @@ BLOCK_SIZES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q8_0": (32
                "Q6_K": (256, 210)}
 PARSERS = {"Q4_0": parse_q4_0, "Q4_1": parse_q4_1, "Q5_0": parse_q5_0, "Q8_0": parse_q8_0,
            "Q4_K": parse_q4_k, "Q6_K": parse_q6_k}
+
+
+def dequantize(qtype: str, blocks: np.ndarray, k: int):
+    """A tensor's effective weights from its blocks: float32 torch [rows, k], equal bit for bit to
+    `gguf.quants.dequantize` (every s_g * q is exact in float32, so one rounding remains, the
+    add of m_g, as in gguf's float32 arithmetic), in PyTorch's vectorised, threaded elementwise
+    ops rather than numpy's: the 0.5B's conversion 6.3 s -> ~1.5 s on 2 AVX2 cores (issue 32).
+
+    blocks: uint8 [rows, row bytes] of type `qtype` (a key of PARSERS). Raises ValueError for
+    another type or a row size that does not hold k channels. Source: ggml-common.h block layouts.
+    """
+    import torch
+
+    if qtype not in PARSERS:
+        raise ValueError(f"GGUF type {qtype}: no parser (have {', '.join(PARSERS)})")
+    n = blocks.shape[0]
+    bs, ts = BLOCK_SIZES[qtype]
+    if k % bs or blocks.shape[1] != k // bs * ts:
+        raise ValueError(f"GGUF {qtype}: {blocks.shape[1]} bytes per row do not hold {k} channels")
+    f = PARSERS[qtype](np.ascontiguousarray(blocks).reshape(n, k // bs, ts))
+    per_super = f.superblock // f.group
+    d = torch.from_numpy(np.ascontiguousarray(f.d)).float()  # [n, k / superblock]
+    s = d.repeat_interleave(per_super, dim=1) if per_super > 1 else d
+    if f.sc is not None:
+        s = s * torch.from_numpy(np.ascontiguousarray(f.sc)).float()  # exact: 11 x 8 bits
+    q = torch.from_numpy(np.ascontiguousarray(f.q)).view(n, -1, f.group)
+    if f.dm is None:  # symmetric: w = s * (q - zero)
+        w = (q.to(torch.int16) - f.zero).float()
+        w *= s.unsqueeze(-1)
+        return w.view(n, k)
+    m = torch.from_numpy(np.ascontiguousarray(f.dm)).float()
+    if f.mn is not None:
+        m = m.repeat_interleave(per_super, dim=1) * torch.from_numpy(np.ascontiguousarray(f.mn)).float()
+    w = q.float()
+    w *= s.unsqueeze(-1)
+    w += m.unsqueeze(-1)
+    return w.view(n, k)

@@ -68,3 +68,40 @@ def test_package_reader_is_fast_only_inside_and_restored_after_overlaps(tmp_path
     leave.set()
     t.join()
     assert gguf.GGUFReader is original
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_torch_dequantization_equals_the_packages_bit_for_bit(qtype):
+    import torch
+
+    from mixserve.layers.gguf_blocks import dequantize
+    from mixserve.layers.gguf_linear import random_blocks
+
+    for n, k in ([(37, 256 * 3), (8, 512)] if qtype.endswith("_K") else [(37, 32 * 20), (5, 512), (3, 32)]):
+        blocks = random_blocks(qtype, n, k)
+        ref = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]), np.float32).reshape(n, k)
+        out = dequantize(qtype, blocks, k)
+        assert out.dtype == torch.float32 and out.shape == (n, k)
+        assert np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32)), qtype  # the same bits
+    with pytest.raises(ValueError, match="do not hold"):
+        dequantize(qtype, random_blocks(qtype, 2, k)[:, 1:], k)
+
+
+def test_converted_tensors_equal_the_packages_dequantization(tmp_path):
+    """dequantize_gguf (torch for the block types it parses) against gguf.quants for every tensor of
+    a quantized llama file, the Q/K rows unpermuted as before."""
+    from mixserve.models import weights
+
+    path = write_tiny_gguf(tmp_path / "quantized.gguf")
+    cfg, _, tensors = weights.dequantize_gguf(path, progress=False)
+    reader = gguf.GGUFReader(str(path))
+    assert len(tensors) == len(reader.tensors)
+    for t in reader.tensors:
+        name = weights._hf_name(t.name)
+        ref = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        ref = ref.reshape(tuple(int(d) for d in reversed(t.shape)))
+        heads = weights._heads_to_unpermute(cfg, name)
+        if heads:
+            ref = weights._unpermute(ref, heads)
+        got = tensors[name].numpy()
+        assert got.flags.c_contiguous and np.array_equal(got.view(np.uint32), ref.view(np.uint32)), name
