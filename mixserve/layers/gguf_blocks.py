@@ -104,6 +104,17 @@ PARSERS = {"Q4_0": parse_q4_0, "Q4_1": parse_q4_1, "Q5_0": parse_q5_0, "Q8_0": p
            "Q4_K": parse_q4_k, "Q6_K": parse_q6_k}
 
 
+def parse(qtype: str, blocks: np.ndarray, k: int) -> Fields:
+    """One tensor's Fields from its blocks, uint8 [rows, row bytes] of type `qtype` (a key of
+    PARSERS), k input channels a row. Raises ValueError for a row size that does not hold k
+    channels."""
+    n = blocks.shape[0]
+    bs, ts = BLOCK_SIZES[qtype]
+    if k % bs or blocks.shape[1] != k // bs * ts:
+        raise ValueError(f"GGUF {qtype}: {blocks.shape[1]} bytes per row do not hold {k} channels")
+    return PARSERS[qtype](np.ascontiguousarray(blocks).reshape(n, k // bs, ts))
+
+
 def dequantize(qtype: str, blocks: np.ndarray, k: int):
     """A tensor's effective weights from its blocks: float32 torch [rows, k], equal bit for bit to
     `gguf.quants.dequantize` (every s_g * q is exact in float32, so one rounding remains, the
@@ -117,11 +128,8 @@ def dequantize(qtype: str, blocks: np.ndarray, k: int):
 
     if qtype not in PARSERS:
         raise ValueError(f"GGUF type {qtype}: no parser (have {', '.join(PARSERS)})")
+    f = parse(qtype, blocks, k)
     n = blocks.shape[0]
-    bs, ts = BLOCK_SIZES[qtype]
-    if k % bs or blocks.shape[1] != k // bs * ts:
-        raise ValueError(f"GGUF {qtype}: {blocks.shape[1]} bytes per row do not hold {k} channels")
-    f = PARSERS[qtype](np.ascontiguousarray(blocks).reshape(n, k // bs, ts))
     per_super = f.superblock // f.group
     d = torch.from_numpy(np.ascontiguousarray(f.d)).float()  # [n, k / superblock]
     s = d.repeat_interleave(per_super, dim=1) if per_super > 1 else d

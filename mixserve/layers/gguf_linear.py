@@ -17,6 +17,7 @@ from torch import nn
 
 from mixserve.layers import gguf_kernels
 from mixserve.layers.int4_dequant import scratch
+from mixserve.layers import gguf_blocks
 from mixserve.layers.gguf_blocks import BLOCK_SIZES, PARSERS
 
 NATIVE_TYPES = tuple(PARSERS)
@@ -102,10 +103,7 @@ class GGUFWeight:
         if qtype not in PARSERS:
             raise ValueError(f"GGUF type {qtype} has no native kernel (native: {', '.join(NATIVE_TYPES)})")
         n = blocks.shape[0]
-        bs, ts = BLOCK_SIZES[qtype]
-        if k % bs or blocks.shape[1] != k // bs * ts:
-            raise ValueError(f"GGUF {qtype}: {blocks.shape[1]} bytes per row do not hold {k} channels")
-        f = PARSERS[qtype](blocks.reshape(n, k // bs, ts))
+        f = gguf_blocks.parse(qtype, blocks, k)
         steps = _steps(f.q, f.group)
         hb = {4: 0, 5: 1, 6: 2, 8: 4}[f.bits]
         if hb == 4:
