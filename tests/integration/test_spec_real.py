@@ -84,7 +84,10 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
 
     gap_changes, logit_diffs, gaps, accepted = [], [], [], 0
     batch = {}
-    for ps in [[p] for p in prompts] + [prompts]:
+    # two prompts alone (one-row forwards) and the batch of four: enough positions for the noise's
+    # maximum (the batch's own prefixes, where a divergence is judged, are measured too); every prompt
+    # alone as well took 25 s more on an AVX2-only CPU (issue 32)
+    for ps in [[p] for p in prompts[:2]] + [prompts]:
         spec, cs = run("fixed", ps)
         plain, cp = run("off", ps)
         accepted += sum(o.metrics["spec_accepted"] for o in spec)
