@@ -119,7 +119,8 @@ def dequantize(qtype: str, blocks: np.ndarray, k: int):
     """A tensor's effective weights from its blocks: float32 torch [rows, k], equal bit for bit to
     `gguf.quants.dequantize` (every s_g * q is exact in float32, so one rounding remains, the
     add of m_g, as in gguf's float32 arithmetic), in PyTorch's vectorised, threaded elementwise
-    ops rather than numpy's: the 0.5B's conversion 6.3 s -> ~1.5 s on 2 AVX2 cores (issue 32).
+    ops rather than numpy's: the 0.5B's 170 such tensors 6.1-9.4 s -> 3.8-4.5 s on 2 AVX2 cores
+    (benchmarks/gguf_read.py, issue 32).
 
     blocks: uint8 [rows, row bytes] of type `qtype` (a key of PARSERS). Raises ValueError for
     another type or a row size that does not hold k channels. Source: ggml-common.h block layouts.

@@ -4,8 +4,8 @@
 151,936 token strings and its merges: about 600,000 arrays) by slicing a `numpy.memmap`, whose
 slices run Python code (`memmap.__array_finalize__`) and whose `_get` makes a scratch array per
 call to learn an item size. Slicing a plain ndarray view of the same map, with the item sizes
-looked up once, gives the same fields and tensors: 10.5 s -> 3.1 s for the 0.5B on this project's
-AMD EPYC (AVX2), measured by hand on 2026-12-05. Every reader in mixserve comes from here, and
+looked up once, gives the same fields and tensors: 10.4-11.6 s -> 2.1-2.4 s for the 0.5B on this
+project's AMD EPYC (AVX2), 2026-12-05 (benchmarks/gguf_read.py). Every reader in mixserve comes from here, and
 transformers' GGUF tokenizer load gets it too (`package_reader_is_fast`).
 """
 from __future__ import annotations
