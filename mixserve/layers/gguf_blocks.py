@@ -122,8 +122,9 @@ def dequantize(qtype: str, blocks: np.ndarray, k: int):
     ops rather than numpy's: the 0.5B's 170 such tensors 6.1-9.4 s -> 3.8-4.5 s on 2 AVX2 cores
     (benchmarks/gguf_read.py, issue 32).
 
-    blocks: uint8 [rows, row bytes] of type `qtype` (a key of PARSERS). Raises ValueError for
-    another type or a row size that does not hold k channels. Source: ggml-common.h block layouts.
+    blocks: uint8 [rows, row bytes] of type `qtype` (a key of PARSERS); no rows give [0, k]. Raises
+    ValueError for another type or a row size that does not hold k channels. Source: ggml-common.h
+    block layouts.
     """
     import torch
 
@@ -131,8 +132,12 @@ def dequantize(qtype: str, blocks: np.ndarray, k: int):
         raise ValueError(f"GGUF type {qtype}: no parser (have {', '.join(PARSERS)})")
     f = parse(qtype, blocks, k)
     n = blocks.shape[0]
+    if n == 0:
+        return torch.empty(0, k)
     per_super = f.superblock // f.group
-    d = torch.from_numpy(np.ascontiguousarray(f.d)).float()  # [n, k / superblock]
+    # float16 -> float32 in numpy, which keeps a NaN's sign and payload as gguf.quants does (torch
+    # makes every NaN 0x7fffffff)
+    d = torch.from_numpy(f.d.astype(np.float32))  # [n, k / superblock]
     s = d.repeat_interleave(per_super, dim=1) if per_super > 1 else d
     if f.sc is not None:
         s = s * torch.from_numpy(np.ascontiguousarray(f.sc)).float()  # exact: 11 x 8 bits
@@ -141,7 +146,7 @@ def dequantize(qtype: str, blocks: np.ndarray, k: int):
         w = (q.to(torch.int16) - f.zero).float()
         w *= s.unsqueeze(-1)
         return w.view(n, k)
-    m = torch.from_numpy(np.ascontiguousarray(f.dm)).float()
+    m = torch.from_numpy(f.dm.astype(np.float32))
     if f.mn is not None:
         m = m.repeat_interleave(per_super, dim=1) * torch.from_numpy(np.ascontiguousarray(f.mn)).float()
     w = q.float()

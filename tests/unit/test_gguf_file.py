@@ -105,3 +105,22 @@ def test_converted_tensors_equal_the_packages_dequantization(tmp_path):
             ref = weights._unpermute(ref, heads)
         got = tensors[name].numpy()
         assert got.flags.c_contiguous and np.array_equal(got.view(np.uint32), ref.view(np.uint32)), name
+
+
+@pytest.mark.parametrize("qtype,scale_at", [("Q4_0", 0), ("Q4_1", 0), ("Q5_0", 0), ("Q8_0", 0), ("Q4_K", 0),
+                                            ("Q6_K", 208)])
+def test_torch_dequantization_keeps_nan_signs_and_payloads_and_takes_no_rows(qtype, scale_at):
+    """A NaN, inf or subnormal float16 scale gives gguf's bits (PyTorch's own float16 cast makes every
+    NaN 0x7fffffff: found by a break-it helper); zero rows give an empty [0, k]."""
+    from mixserve.layers.gguf_blocks import dequantize
+    from mixserve.layers.gguf_linear import random_blocks
+
+    k = 256
+    blocks = random_blocks(qtype, 6, k, seed=3)
+    for row, bits in enumerate((0x7E00, 0xFE00, 0x7C01, 0x7C00, 0x0001, 0x8000)):
+        blocks[row, scale_at:scale_at + 2] = np.array([bits], np.uint16).view(np.uint8)
+    with np.errstate(invalid="ignore"):
+        ref = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype]), np.float32).reshape(6, k)
+    assert np.isnan(ref[0]).any()
+    assert np.array_equal(dequantize(qtype, blocks, k).numpy().view(np.uint32), ref.view(np.uint32))
+    assert dequantize(qtype, blocks[:0], k).shape == (0, k)
