@@ -1,8 +1,10 @@
 """Weight loading: GGUF files (read natively, or dequantized once and cached as an HF folder) and HF
 safetensors folders.
 
-GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Dequantization uses the
-`gguf` package (`gguf.quants.dequantize`), so every GGUF type it knows is supported.
+GGUF spec: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Files are read by the `gguf`
+package's reader (models/gguf_file.py). The block types mixserve parses (layers/gguf_blocks.py: Q4_0,
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) are dequantized in PyTorch, bit-equal to `gguf.quants.dequantize` and
+faster; every other type the package knows goes through `gguf.quants.dequantize`.
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ def dequantize_gguf(path: str | Path, progress: bool = True) -> tuple[ModelConfi
         heads = _heads_to_unpermute(cfg, name)
         qtype = t.tensor_type.name
         if qtype in gguf_blocks.PARSERS and len(t.shape) == 2:
-            # the same bits as gguf.quants, in PyTorch's threaded elementwise ops (4x faster)
+            # the same bits as gguf.quants, in PyTorch's threaded elementwise ops (benchmarks/gguf_read.py)
             w = gguf_blocks.dequantize(qtype, np.asarray(t.data), int(t.shape[0]))
             tensors[name] = torch.from_numpy(_unpermute(w.numpy(), heads).copy()) if heads else w
             continue
