@@ -206,11 +206,11 @@ def dummy_decode_steps(runner, rows: int, context: int, steps: int, run) -> list
 
 
 def warm_up(runner, graph: DecodeGraph, scratch: int | None = None) -> None:
-    """Compile (or load from Inductor's cache) the graph now, as a GPU server captures its
-    graphs, so that no request's step waits for it, and run it at 1 and 2 rows. scratch: a KV block no sequence is ever given
-    (ModelRunner.pad_block): every warm-up row reads and writes only that block, so the warm-up may
-    run while the engine steps (BackgroundGraph); None uses the cache's first blocks, before any
-    request is admitted."""
+    """Compile (or load from Inductor's cache) the graph now, as a GPU server captures its graphs,
+    so that no request's step waits for it, and run it at 1 and 2 rows. scratch: a KV block no
+    sequence is ever given (ModelRunner.pad_block): every warm-up row reads and writes only that
+    block, so the warm-up may run while the engine steps (BackgroundGraph); None uses the cache's
+    first blocks, before any request is admitted."""
     if scratch is not None:
         for rows in (1, 2):
             if rows <= graph.max_rows:

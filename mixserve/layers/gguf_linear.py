@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixserve.layers import gguf_kernels
-from mixserve.layers.int4_dequant import scratch
-from mixserve.layers import gguf_blocks
+from mixserve.layers import gguf_blocks, gguf_kernels
 from mixserve.layers.gguf_blocks import BLOCK_SIZES, PARSERS
+from mixserve.layers.int4_dequant import scratch
 
 NATIVE_TYPES = tuple(PARSERS)
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
