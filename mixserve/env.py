@@ -6,6 +6,8 @@ imported only inside machine_info(), so the cache root stays cheap for the CLI a
 """
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import platform
 import time
@@ -119,6 +121,88 @@ def publish_dir(out: Path, fill, complete) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# What this process could not keep in the cache root (a read-only or full one), as (what, why):
+# the engine runs with what is there, builds the rest in a scratch folder of its own, and says so
+_unkept: dict[str, str] = {}
+_scratch: Path | None = None
+
+
+def cannot_write(e: BaseException) -> bool:
+    """Whether `e` says that a cache folder cannot be written here (a read-only file system, no
+    permission, no space or quota), as opposed to a fault that must be reported."""
+    return isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
+                                                   errno.EDQUOT)
+
+
+def note_unkept(what: str, why: str) -> None:
+    """Record (and log once, as a warning) that `what` could not be kept in the cache: `why` names
+    the folder and the error. unkept() lists them; the engine's describe() prints them."""
+    if what not in _unkept:
+        _unkept[what] = why
+        logging.getLogger("mixserve").warning("not kept in the cache: %s (%s); this process uses a scratch "
+                                              "copy, and the next start does the work again", what, why)
+
+
+def unkept() -> dict[str, str]:
+    """{what: why} for everything this process could not keep in the cache (note_unkept)."""
+    return dict(_unkept)
+
+
+def scratch_dir() -> Path:
+    """A folder of this process's own under the system's temporary folder, for what the cache root
+    could not keep: removed at exit (atexit, and the CLI's own exit, which skips atexit)."""
+    global _scratch
+    if _scratch is None:
+        import atexit
+        import tempfile
+
+        _scratch = Path(tempfile.mkdtemp(prefix="mixserve-scratch-"))
+        atexit.register(remove_scratch)
+    return _scratch
+
+
+def remove_scratch() -> None:
+    """Remove scratch_dir()'s folder, if one was made."""
+    import shutil
+
+    global _scratch
+    if _scratch is not None:
+        shutil.rmtree(_scratch, ignore_errors=True)
+        _scratch = None
+
+
+def writable_dir(path: Path) -> OSError | None:
+    """None where files can be made in `path` (made if missing), else the error that says why not.
+    os.access is not enough: root passes it on a read-only file system's folders' mode bits."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return None
+    except OSError as e:
+        return e
+
+
+def publish_or_scratch(out: Path, fill, complete, what: str) -> Path:
+    """publish_dir(out, fill, complete), or, where the cache cannot be written (cannot_write), the
+    same fill in a folder of scratch_dir() that lives as long as this process; note_unkept says
+    which. Returns the folder. Raises what `fill` raises, or another OSError."""
+    try:
+        return publish_dir(out, fill, complete)
+    except OSError as e:
+        if not cannot_write(e):
+            raise
+        note_unkept(what, f"{out.parent}: {e.strerror or e}")
+    import shutil
+
+    tmp = scratch_dir() / out.name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    fill(tmp)
+    return tmp
 
 
 def cpu_model() -> str:

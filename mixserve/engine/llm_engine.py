@@ -15,6 +15,7 @@ from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_stri
 from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
+from mixserve.env import unkept
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_threads,
                                            parse_overrides)
@@ -257,6 +258,9 @@ class LLMEngine:
             text += f"; weights int4 ({q.method}, group {q.group_size})"
             if q.dense:
                 text += f", {len(q.dense)} linears left dense (e.g. {q.dense[0]})"
+        lost = unkept()
+        if lost:  # a read-only or full cache root: what the next start does again
+            text += "; not kept in the cache (this process only): " + "; ".join(f"{k} ({v})" for k, v in lost.items())
         return text
 
     # -- requests --------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import time
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import cache_root, cpu_flags, cpu_isa_key, cpu_model, remove_stale_tmp, tmp_sibling
+from mixserve.env import (cache_root, cannot_write, cpu_flags, cpu_isa_key, cpu_model, note_unkept, remove_stale_tmp,
+                          scratch_dir, tmp_sibling)
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
@@ -84,7 +85,14 @@ def _build_or_load(name: str, source: str, functions: list[str], needs: frozense
         try:
             mod = _import_built(name, build / f"{name}.so", functions)
             if mod is None:
-                mod = _build(name, source, functions, build)
+                try:
+                    mod = _build(name, source, functions, build)
+                except OSError as e:
+                    if not cannot_write(e):
+                        raise
+                    # a read-only or full cache root: built for this process only
+                    note_unkept(f"C++ kernel {name}", f"{build.parent}: {e.strerror or e}")
+                    mod = _build(name, source, functions, scratch_dir() / "kernels" / build.name)
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
             mod = None

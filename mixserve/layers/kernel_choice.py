@@ -27,6 +27,12 @@ Order of authority: an override (`MIXSERVE_KERNELS="dense_linear=plain,decode_at
 key prefix per entry, or "eager" for the eager path everywhere), then the cache
 (`$MIXSERVE_KERNEL_CACHE`, else `<cache root>/kernels/choices.json`; a corrupt or foreign entry is
 ignored and remeasured), then a measurement.
+
+A start measures for `budget_s` seconds at most (default 20, `$MIXSERVE_KERNEL_BUDGET`; issue 32:
+a first start on a new machine timed kernels for minutes): a choice left when it is spent runs its
+eager candidate, uncached, and a later start (or `mixserve prepare`, which has no budget) times it.
+The decode graph's choice is outside the budget: its timing is an Inductor compile whose length
+is unknown until it has run once.
 """
 from __future__ import annotations
 
@@ -42,12 +48,14 @@ from typing import Callable
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import cache_root, cpu_isa_key, cpu_model
+from mixserve.env import cache_root, cpu_isa_key, cpu_model, note_unkept
 
 log = logging.getLogger("mixserve")
 
 CACHE_VERSION = 1
 MARGIN = 0.03  # a candidate must beat the eager one by 3% (timing noise on a shared 2-core VM)
+BUDGET_S = 20.0  # seconds of kernel timing one start may spend (issue 32's bound for a first start)
+UNBUDGETED = ("decode_graph/",)  # keys whose timing is a compile of unknown length: outside the budget
 EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "torch", "int4_dense_rows": "never",
          "decode_graph": "eager", "float_head": "plain", "float_head_rows": "never",
          # native GGUF weights have no PyTorch kernel: eager runs ours at every row count, no prefetch
@@ -167,16 +175,31 @@ class KernelChooser:
             or "prior" (time nothing: a choice the cache lacks is its eager candidate, not cached;
             for test suites and replicas that must start at once); default $MIXSERVE_KERNEL_TIMING,
             else "measure".
-    Raises ValueError for another timing.
+        budget_s: seconds of measurement this chooser may spend (wall time of the timings, the
+            decode graph's excepted); a choice asked for after it is spent is its eager candidate,
+            not cached. Default $MIXSERVE_KERNEL_BUDGET, else BUDGET_S; math.inf for no bound.
+    Raises ValueError for another timing, or a budget that is not a number >= 0.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, overrides: dict[str, str] | None = None,
-                 machine: str | None = None, timing: str | None = None):
+                 machine: str | None = None, timing: str | None = None, budget_s: float | None = None):
         self.path = Path(path) if path is not None else default_cache_path()
         self.timing = timing or os.environ.get("MIXSERVE_KERNEL_TIMING") or "measure"
         if self.timing not in ("measure", "prior"):
             raise ValueError(f"kernel timing: must be measure or prior (got {self.timing!r}; "
                              "from $MIXSERVE_KERNEL_TIMING where not passed)")
+        if budget_s is None:
+            env = os.environ.get("MIXSERVE_KERNEL_BUDGET", "")
+            try:
+                budget_s = float(env) if env else BUDGET_S
+            except ValueError:
+                raise ValueError(f"MIXSERVE_KERNEL_BUDGET (environment): seconds, a number >= 0 or inf "
+                                 f"(got {env!r})") from None
+        if not budget_s >= 0:  # NaN too
+            raise ValueError(f"kernel timing budget: seconds, a number >= 0 or inf (got {budget_s!r})")
+        self.budget_s = budget_s
+        self.spent_s = 0.0  # wall seconds of measurement so far (the budgeted keys')
+        self.over_budget: list[str] = []  # keys left to their eager candidate once the budget was spent
         if overrides is None:
             try:
                 overrides = parse_overrides(os.environ.get("MIXSERVE_KERNELS", ""))
@@ -235,7 +258,7 @@ class KernelChooser:
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as e:  # an unwritable cache costs a remeasurement next time, nothing more
-            log.warning("kernel choices not cached (%s): %s", self.path, e)
+            note_unkept("kernel choices", f"{self.path}: {e.strerror or e}")
 
     def choose(self, key: str, candidates: dict[str, Callable[[], float]], eager: str) -> str:
         """The candidate to use for `key`.
@@ -256,6 +279,15 @@ class KernelChooser:
             return self.choices[key].name
         if self.timing == "prior":
             self.choices[key] = Choice(key, self._eager(key, candidates, eager), "prior")
+            return eager
+        budgeted = not key.startswith(UNBUDGETED)
+        if budgeted and self.spent_s >= self.budget_s:
+            if not self.over_budget:
+                log.warning("kernels: this start's timing budget (%.0f s, MIXSERVE_KERNEL_BUDGET) is spent; the "
+                            "choices left run their eager kernels, uncached, and are timed at a later start "
+                            "(`mixserve prepare` times them all)", self.budget_s)
+            self.over_budget.append(key)
+            self.choices[key] = Choice(key, self._eager(key, candidates, eager), "prior (timing budget spent)")
             return eager
         # one process of a machine times at a time (two at once would each slow the other's
         # timings and cache inflated figures); another one runs the prior meanwhile, uncached
@@ -314,14 +346,20 @@ class KernelChooser:
 
     def _measure(self, key: str, candidates: dict, eager: str) -> str:
         # a warning, not info: a first start is silent for up to a minute otherwise
-        log.warning("timing kernels for %s (once per machine; cached in %s)", key, self.path)
+        budget = "" if key.startswith(UNBUDGETED) or math.isinf(self.budget_s) else \
+            f"; {self.spent_s:.0f} of this start's {self.budget_s:.0f} s spent"
+        log.warning("timing kernels for %s: %d candidates (once per machine, cached in %s%s)", key,
+                    len(candidates), self.path, budget)
         # a timing that raises propagates before anything is written; one that came out NaN is left
         # out, and the choice is not cached: a failed measurement is never remembered (issue 46)
         t0 = time.perf_counter()
         try:
             timings = {name: float(fn()) for name, fn in candidates.items()}
         finally:
-            startup.add("kernel timing", time.perf_counter() - t0)
+            dt = time.perf_counter() - t0
+            startup.add("kernel timing", dt)
+            if not key.startswith(UNBUDGETED):
+                self.spent_s += dt
         failed = [name for name, t in timings.items() if math.isnan(t)]
         timings = {name: t for name, t in timings.items() if name not in failed}
         if not timings:

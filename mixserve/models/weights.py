@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from mixserve.env import publish_dir
+from mixserve.env import publish_or_scratch
 from mixserve.layers import gguf_blocks
 from mixserve.models.config import ModelConfig
 
@@ -200,19 +199,23 @@ def read_gguf_native(path: str | Path, progress: bool = True) -> tuple[ModelConf
     return cfg, extra, tensors, types
 
 
-def converted_dir(gguf_path: str | Path) -> Path:
-    """Where the dequantized copy of a GGUF lives: beside the file if that folder is writable,
-    else under the mixserve cache root."""
-    gguf_path = Path(gguf_path).resolve()
-    beside = gguf_path.with_name(gguf_path.name + CONVERTED_SUFFIX)
-    if os.access(gguf_path.parent, os.W_OK):
-        return beside
-    from mixserve.env import cache_root
+def converted_dir(gguf_path: str | Path, suffix: str = "") -> Path:
+    """Where the dequantized copy of a GGUF lives (`suffix` "-meta": its tokenizer-and-config
+    folder): beside the file, or under the mixserve cache root where that folder cannot be
+    written. A complete copy in either place is found first, so a cache prepared beside its file
+    and then mounted read-only is still read from there."""
+    from mixserve.env import cache_root, writable_dir
 
+    gguf_path = Path(gguf_path).resolve()
+    beside = gguf_path.with_name(gguf_path.name + CONVERTED_SUFFIX + suffix)
     st = gguf_path.stat()
     # two files of one name and size (another folder, or one replaced in place) must not share it
     ident = hashlib.sha256(f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    return cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}-{ident}{CONVERTED_SUFFIX}"
+    under_root = cache_root() / "converted" / f"{gguf_path.name}-{st.st_size}-{ident}{CONVERTED_SUFFIX}{suffix}"
+    for folder in (beside, under_root):
+        if _complete(folder):
+            return folder
+    return beside if writable_dir(gguf_path.parent) is None else under_root
 
 
 def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
@@ -233,8 +236,7 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
         _write_meta(gguf_path, cfg, extra, tmp)
         _write_done(tmp, f"converted in {time.perf_counter() - t0:.1f} s")
 
-    publish_dir(out, fill, _complete)
-    return out
+    return publish_or_scratch(out, fill, _complete, f"the float32 copy of {Path(gguf_path).name}")
 
 
 def _write_done(folder: Path, note: str) -> None:
@@ -332,7 +334,7 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
     full = converted_dir(gguf_path)
     if _complete(full):
         return full
-    out = full.with_name(full.name + "-meta")
+    out = converted_dir(gguf_path, "-meta")
     if _complete(out):
         return out
     from mixserve.models.gguf_file import open_gguf
@@ -343,8 +345,7 @@ def gguf_meta_dir(gguf_path: str | Path) -> Path:
         _write_meta(gguf_path, cfg, extra, tmp)
         _write_done(tmp, "tokenizer and config only")
 
-    publish_dir(out, fill, _complete)
-    return out
+    return publish_or_scratch(out, fill, _complete, f"the tokenizer and config of {Path(gguf_path).name}")
 
 
 def load_tokenizer(spec: str | Path):

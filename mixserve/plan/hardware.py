@@ -15,6 +15,7 @@ The profile is JSON; `load_step_model` turns it, or a named accelerator, into a 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -192,7 +193,7 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
     from mixserve.layers.kernel_choice import KernelChooser
     from mixserve.layers.linear import int4_supported
 
-    chooser = chooser or KernelChooser(timing="measure")
+    chooser = chooser or KernelChooser(timing="measure", budget_s=math.inf)
     out = {}
     if "gguf" in formats:
         if torch.device(device).type != "cpu":
@@ -294,7 +295,7 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     from mixserve.layers.attention import choose_decode_kernel
     from mixserve.layers.kernel_choice import KernelChooser
 
-    chooser = chooser or KernelChooser(timing="measure")
+    chooser = chooser or KernelChooser(timing="measure", budget_s=math.inf)
     decode = (choose_decode_kernel(chooser, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
               if torch.device(device).type == "cpu" else "sdpa")
     dec_pts = []
@@ -486,7 +487,7 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
 
     cap_threads()
     amx = amx_permitted() and not gpu
-    chooser = KernelChooser(timing="measure")
+    chooser = KernelChooser(timing="measure", budget_s=math.inf)
     t0 = time.perf_counter()
     bw = probe_bandwidth(device=dev)
     log(f"  memory bandwidth (copy, read + write): {bw / 1e9:.1f} GB/s")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from mixserve import env
 from mixserve.models import weights
 from mixserve.models.weights import convert_gguf, gguf_meta_dir, load_tokenizer
 from tests.tiny_gguf import write_float_gguf
@@ -325,7 +326,7 @@ def test_converted_copies_in_the_cache_are_keyed_by_the_files_identity(tmp_path,
     # a GGUF in a read-only folder converts under the cache root: two files of one name and size
     # (other folders, or one replaced in place) must not share a copy
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(weights.os, "access", lambda p, mode: False)
+    monkeypatch.setattr(env, "writable_dir", lambda p: PermissionError(13, "Permission denied"))
     a = write_gguf((tmp_path / "a").mkdir() or tmp_path / "a" / "m.gguf")
     b = write_gguf((tmp_path / "b").mkdir() or tmp_path / "b" / "m.gguf")
     assert a.stat().st_size == b.stat().st_size

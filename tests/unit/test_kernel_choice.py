@@ -1,6 +1,8 @@
 """Kernels chosen by measurement (layers/kernel_choice.py): the rule, the cache, overrides, AMX,
 and the fast path's output against the eager path on a tiny random model."""
 import json
+import logging
+import math
 
 import pytest
 import torch
@@ -335,3 +337,42 @@ def test_a_second_process_timing_at_once_runs_the_prior_and_caches_nothing(tmp_p
         assert calls == [] and c.choices["k"].source.startswith("prior") and not path.exists()
     c = KernelChooser(path, overrides={}, machine="m", timing="measure")  # the lock is free again
     assert c.choose("k", {"a": stub(2.0, calls), "b": stub(1.0, calls)}, "a") == "b" and len(calls) == 2
+
+
+def test_a_start_times_kernels_within_its_budget_and_leaves_the_rest_uncached(tmp_path, caplog, monkeypatch):
+    # issue 32: a first start on a new machine timed kernels for minutes; now it stops at its budget
+    import time as _time
+
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    path = tmp_path / "choices.json"
+
+    def slow():
+        _time.sleep(0.15)
+        return 1.0
+    cands = {"plain": slow, "onednn": lambda: 0.5}
+    c = KernelChooser(path, overrides={}, machine="m", timing="measure", budget_s=0.2)
+    assert c.choose("dense_linear/a", cands, "plain") == "onednn"  # 0.15 s of 0.2
+    assert c.choose("dense_linear/b", cands, "plain") == "onednn"  # started within it: 0.3 s spent
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert c.choose("dense_linear/c", cands, "plain") == "plain"
+        assert c.choose("dense_linear/d", cands, "plain") == "plain"
+    assert caplog.text.count("timing budget") == 1 and "mixserve prepare" in caplog.text
+    assert c.choices["dense_linear/c"].source == "prior (timing budget spent)" and c.over_budget == ["dense_linear/c",
+                                                                                                  "dense_linear/d"]
+    # the decode graph's timing (a compile of unknown length) is outside the budget
+    assert c.choose("decode_graph/x", {"eager": lambda: 2.0, "compiled": lambda: 1.0}, "eager") == "compiled"
+    assert set(json.loads(path.read_text())["machines"]["m"]) == {"dense_linear/a", "dense_linear/b", "decode_graph/x"}
+    # the next start times what this one left, and reads the rest
+    c = KernelChooser(path, overrides={}, machine="m", timing="measure", budget_s=0.2)
+    assert c.choose("dense_linear/a", cands, "plain") == "onednn" and c.choices["dense_linear/a"].source == "cache"
+    assert c.choose("dense_linear/c", cands, "plain") == "onednn" and c.choices["dense_linear/c"].source == "measured"
+    assert math.isinf(KernelChooser(path, machine="m", budget_s=math.inf).budget_s)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="budget"):
+            KernelChooser(path, machine="m", budget_s=bad)
+    monkeypatch.setenv("MIXSERVE_KERNEL_BUDGET", "twenty")
+    with pytest.raises(ValueError, match="MIXSERVE_KERNEL_BUDGET"):
+        KernelChooser(path, machine="m")
+    monkeypatch.setenv("MIXSERVE_KERNEL_BUDGET", "5")
+    assert KernelChooser(path, machine="m").budget_s == 5.0

@@ -1,0 +1,130 @@
+"""A read-only cache root works (issue 32): the engine runs with what is there, does the rest in a
+scratch folder of its own that goes at exit, and says what it could not keep. Each cache mixserve
+writes on a start: the GGUF's float32 copy and tokenizer folder, the C++ kernels' builds, kernel
+choices and Inductor's compiled graphs."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixserve import env
+from tests.readonly import run_read_only
+from tests.tiny_gguf import write_float_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child_env(root: Path) -> dict:
+    e = dict(os.environ, XDG_CACHE_HOME=str(root), PYTHONPATH=str(REPO))
+    e.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    return e
+
+
+_CONVERT = """
+import json, sys
+from mixserve import env
+from mixserve.models.weights import convert_gguf, gguf_meta_dir
+from safetensors.torch import load_file
+out = convert_gguf(sys.argv[1], progress=False)
+meta = gguf_meta_dir(sys.argv[1])
+n = len(load_file(str(out / "model.safetensors")))
+print(json.dumps({"out": str(out), "meta": str(meta), "tensors": n, "unkept": env.unkept(),
+                  "scratch": str(env.scratch_dir())}))
+"""
+
+
+def test_a_read_only_root_converts_in_scratch_says_so_and_leaves_nothing(tmp_path):
+    root = tmp_path / "xdg"
+    gguf = write_float_gguf((root / "mixserve" / "tiny").mkdir(parents=True) or root / "mixserve" / "tiny" / "t.gguf",
+                            tokenizer=True)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    r = run_read_only(root, [sys.executable, "-c", _CONVERT, str(gguf)], env=_child_env(root))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["tensors"] > 0 and Path(got["out"]).parent == Path(got["scratch"])
+    assert any("float32 copy of t.gguf" in k for k in got["unkept"]), got["unkept"]
+    assert "Read-only file system" in " ".join(got["unkept"].values()) or os.geteuid() != 0
+    assert "not kept in the cache: the float32 copy of t.gguf" in r.stderr
+    assert not Path(got["scratch"]).exists()  # removed at exit
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing written, nothing left
+
+
+def test_a_cache_prepared_beside_its_file_is_read_from_a_read_only_root(tmp_path):
+    from mixserve.models.weights import convert_gguf
+
+    root = tmp_path / "xdg"
+    gguf = write_float_gguf((root / "mixserve" / "tiny").mkdir(parents=True) or root / "mixserve" / "tiny" / "t.gguf",
+                            tokenizer=True)
+    prepared = convert_gguf(gguf, progress=False)  # beside the file: the folder was writable then
+    r = run_read_only(root, [sys.executable, "-c", _CONVERT, str(gguf)], env=_child_env(root))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["out"] == str(prepared) and got["meta"] == str(prepared) and got["unkept"] == {}
+
+
+def test_unwritable_kernel_choices_are_used_and_named(tmp_path, caplog, monkeypatch):
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    monkeypatch.setattr(env, "_unkept", {})
+    path = tmp_path / "choices.json"
+    KernelChooser(path, overrides={}, machine="m", timing="measure").choose("k/a", {"x": lambda: 1.0, "y": lambda: 2.0}, "y")
+    cached = path.read_text()
+
+    def refuse(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(Path, "write_text", refuse)
+    c = KernelChooser(path, overrides={}, machine="m", timing="measure")
+    assert c.choose("k/a", {"x": lambda: 1.0, "y": lambda: 2.0}, "y") == "x"  # read from the cache
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert c.choose("k/b", {"x": lambda: 3.0, "y": lambda: 2.0}, "y") == "y"
+    assert c.choices["k/b"].source == "measured" and path.read_text() == cached
+    assert "kernel choices" in env.unkept() and "Read-only file system" in env.unkept()["kernel choices"]
+    assert "not kept in the cache: kernel choices" in caplog.text
+
+
+def test_a_cpp_build_the_root_cannot_keep_is_built_in_scratch(tmp_path, monkeypatch):
+    from mixserve.layers import cpp_build
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    monkeypatch.setattr(env, "_unkept", {})
+    monkeypatch.setattr(cpp_build, "_built", {})
+    places = []
+
+    def build(name, source, functions, folder):
+        places.append(folder)
+        if len(places) == 1:
+            raise OSError(errno.EROFS, "Read-only file system", str(folder))
+        return "module"
+    monkeypatch.setattr(cpp_build, "_build", build)
+    assert cpp_build.build_extension("ro_probe", "int f(int x) { return x; }", ["f"]) == "module"
+    assert places[0].is_relative_to(tmp_path / "xdg") and places[1].is_relative_to(env.scratch_dir())
+    assert "C++ kernel ro_probe" in env.unkept()
+
+
+def test_publish_or_scratch_raises_what_is_not_a_read_only_fault(tmp_path, monkeypatch):
+    def broken(out, fill, complete):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(env, "publish_dir", broken)
+    with pytest.raises(OSError, match="Input/output"):
+        env.publish_or_scratch(tmp_path / "x", lambda t: None, lambda o: False, "x")
+
+
+def test_the_probe_of_a_read_only_mount_says_erofs(tmp_path):
+    (tmp_path / "ro").mkdir()
+    code = ("import sys; from pathlib import Path; from mixserve.env import writable_dir; "
+            "e = writable_dir(Path(sys.argv[1])); print(type(e).__name__, getattr(e, 'errno', None))")
+    r = run_read_only(tmp_path / "ro", [sys.executable, "-c", code, str(tmp_path / "ro")],
+                      env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] in ("OSError", "PermissionError") and int(r.stdout.split()[1]) in (errno.EROFS,
+                                                                                                   errno.EACCES)
+    assert subprocess.run([sys.executable, "-c", code, str(tmp_path / "ro")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(REPO))).stdout.split()[0] == "NoneType"
