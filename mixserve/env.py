@@ -45,11 +45,27 @@ def _is_torch_default(path: str) -> bool:
 
 def pin_inductor_cache() -> str:
     """Point Inductor's compiled-code cache at `<cache root>/inductor`, unless the user set
-    TORCHINDUCTOR_CACHE_DIR before mixserve was imported. Returns the folder in force."""
+    TORCHINDUCTOR_CACHE_DIR before mixserve was imported (that folder is the user's to keep
+    writable). Where `<cache root>/inductor` cannot be written (a read-only cache root), a copy of
+    it in scratch_dir() is used instead, so compiled graphs still load (Inductor writes lock files
+    beside what it reads) and new ones last as long as the process; note_unkept says so. Returns
+    the folder in force."""
     if _USER_INDUCTOR_DIR and not _is_torch_default(_USER_INDUCTOR_DIR):
         return _USER_INDUCTOR_DIR
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    folder = cache_root() / "inductor"
+    if _scratch is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(_scratch / "inductor"):
+        return str(_scratch / "inductor")  # pinned to the copy already
+    err = writable_dir(folder)
+    if err is not None and cannot_write(err):
+        import shutil
+
+        copy = scratch_dir() / "inductor"
+        if folder.is_dir():
+            shutil.copytree(folder, copy, symlinks=True, dirs_exist_ok=True)
+        note_unkept("compiled decode graphs (Inductor's cache)", f"{folder}: {err.strerror or err}")
+        folder = copy
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return str(folder)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -275,21 +275,25 @@ class BackgroundGraph:
 
 
 def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,
-                            steps: int = 6) -> dict:
+                            steps: int = 6, max_model_len: int | None = None) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this
     runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled").
     make_graph() -> the DecodeGraph (made on the compiled timer's first call: a choice taken from
     the cache or an override times nothing and makes no graph here); max_rows: its row limit.
     The compiled timer's first calls, which compile, are not timed. Uses the cache's first blocks
-    and zeroes them afterwards (the engine has not admitted a request yet)."""
+    and zeroes them afterwards (the engine has not admitted a request yet). max_model_len: the
+    engine's context limit; the timed context is shortened to fit it (the RoPE tables end there)."""
     from mixserve.layers.kernel_choice import geomean
 
+    limit = max_model_len if max_model_len is not None else context + steps + 3
+    steps = max(1, min(steps, limit - 4))
+    context = max(1, min(context, limit - steps - 3))
     bs = runner.block_size
     per_row = -(-(context + steps + 3) // bs)
     rows = [r for r in rows if r <= max_rows and r * per_row <= runner.num_blocks]
     if not rows:
         rows = [1]
-        context = max(1, min(per_row, runner.num_blocks) * bs - steps - 3)
+        context = max(1, min(min(per_row, runner.num_blocks) * bs, limit) - steps - 3)
 
     def timer(compiled: bool):
         # the first two steps (the compile, oneDNN's first calls) are not timed

@@ -178,7 +178,8 @@ class ModelRunner:
 
         forwards = self.num_forwards
         try:
-            pick = chooser.choose(key, decode_graph_candidates(self, make_graph, rows), "eager")
+            pick = chooser.choose(key, decode_graph_candidates(self, make_graph, rows, max_model_len=max_model_len),
+                                 "eager")
             if pick == "compiled" and background and not made:  # chosen without timing it: nothing compiled yet
                 self.pending_graph = BackgroundGraph(self, make_graph)
                 self.graph_choice = "compiled (loading in the background: steps run eager until it is ready)"

@@ -53,6 +53,7 @@ def test_smollm2_fast_path_equals_eager(smol, smollm2_path, fast, tmp_path):
     if fast == "auto":  # the suite's one engine that times its kernels on a real model
         mp = pytest.MonkeyPatch()
         mp.setenv("MIXSERVE_KERNEL_TIMING", "measure")
+        mp.setenv("MIXSERVE_KERNEL_BUDGET", "inf")  # every choice timed, as `prepare` does
         # its own choices file: measured choices in the shared one (a compiled decode graph) would
         # be taken by every later SmolLM2 engine of the suite, each then loading a graph at start
         # (the replica tests' cluster took 106 s instead of 22 s after this test, issue 32)

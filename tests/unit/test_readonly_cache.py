@@ -128,3 +128,46 @@ def test_the_probe_of_a_read_only_mount_says_erofs(tmp_path):
                                                                                                    errno.EACCES)
     assert subprocess.run([sys.executable, "-c", code, str(tmp_path / "ro")], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(REPO))).stdout.split()[0] == "NoneType"
+
+
+def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path):
+    """`mixserve prepare` on a new cache root, then `generate` with that root read-only: the same
+    tokens as a writable start, the kernel choices and the compiled graph read from it, and only
+    Inductor's folder named as not kept (it is read from a scratch copy: Inductor writes lock files
+    beside what it loads)."""
+    import shutil
+
+    root = tmp_path / "xdg"
+    folder = root / "mixserve" / "tiny"
+    folder.mkdir(parents=True)
+    gguf = write_float_gguf(folder / "t.gguf", tokenizer=True)
+    built = env.cache_root() / "kernels"  # the suite's C++ builds, shared by hard links: nothing built twice
+    if built.is_dir():
+        shutil.copytree(built, root / "mixserve" / "kernels", copy_function=os.link)
+    e = _child_env(root)
+    for k in ("MIXSERVE_KERNEL_CACHE", "MIXSERVE_KERNEL_TIMING", "MIXSERVE_KERNEL_BUDGET"):
+        e.pop(k, None)
+    engine = ["--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "128"]
+    cli = [sys.executable, "-m", "mixserve.cli"]
+    r = subprocess.run(cli + ["prepare", *engine], capture_output=True, text=True, env=e, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"prepared {gguf}") and "not kept" not in r.stderr
+    # its decode graph timed within a 128-token context (it ran past the RoPE tables, an IndexError)
+    assert "compile failed" not in r.stderr and "unavailable" not in r.stderr, r.stderr
+    choices = json.loads((root / "mixserve" / "kernels" / "choices.json").read_text())
+    keys = [k for m in choices["machines"].values() for k in m]
+    assert any(k.startswith("decode_graph/") for k in keys), keys
+    # timing the graph compiled it, whichever way the timing went
+    assert any((root / "mixserve" / "inductor").rglob("*.py")), "prepare compiled no graph into the cache"
+    # the graph forced on, so that the read-only start loads it from Inductor's folder
+    gen = cli + ["generate", *engine, "--prompt", "ab ab", "--max-tokens", "12", "--graph-warmup", "foreground",
+                 "--kernels", "decode_graph=compiled"]
+    writable = subprocess.run(gen, capture_output=True, text=True, env=e, timeout=600)
+    assert writable.returncode == 0, writable.stderr
+    ro = run_read_only(root, gen, env=e)
+    assert ro.returncode == 0, ro.stderr
+    assert ro.stdout == writable.stdout
+    assert "timing kernels" not in ro.stderr and "compiling C++" not in ro.stderr
+    assert "decode graph: compiled" in ro.stderr
+    notes = [line for line in ro.stderr.splitlines() if "not kept in the cache:" in line]
+    assert notes and all("Inductor" in line for line in notes), notes
