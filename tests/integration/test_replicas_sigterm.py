@@ -1,6 +1,6 @@
 """SIGTERM on `serve --replicas` (the command as a user runs it, in a subprocess): the replicas
 drain as the single server does (a short stream finishes, a long one ends with a last "abort"
-chunk when --shutdown-grace, 10 s, runs out), the command exits 0, and no process it started is left."""
+chunk when --shutdown-grace, 5 s, runs out), the command exits 0, and no process it started is left."""
 import os
 import signal
 import socket
@@ -56,7 +56,7 @@ def test_sigterm_drains_the_replicas_and_exits_clean(smollm2_path, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "mixserve.cli", "serve", "--model", smollm2_path, "--replicas", "1",
                              "--replica-cpus", "1", "--replica-threads", "1", "--dtype", "float32",
                              "--kv-cache-memory", "96MiB", "--max-model-len", "2048", "--port", str(port),
-                             "--served-model-name", NAME, "--shutdown-grace", "10"],
+                             "--served-model-name", NAME, "--shutdown-grace", "5"],
                             stdout=log_file.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     # the command's own lines (its workers' Ray log lines and stack traces are many)

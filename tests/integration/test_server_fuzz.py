@@ -23,7 +23,7 @@ from tests.live_server import LiveServer
 pytestmark = pytest.mark.integration
 
 NAME = "smol"
-EXAMPLES = 130  # per test; two tests: 260 bodies in all (the same ones each run: derandomized)
+EXAMPLES = 80  # per test; two tests: 160 bodies in all, the same ones each run (derandomized); 130 before issue 32 cut the suite
 
 
 @pytest.fixture(scope="module")
