@@ -136,7 +136,8 @@ def cmd_generate(a) -> int:
 
 def cmd_prepare(a) -> int:
     """Fill every cache the model needs on this machine with these engine settings: its float32
-    copy or tokenizer folder, the C++ kernels' builds, every kernel choice measured (whatever
+    copy or tokenizer folder, the C++ kernels' builds, the dense weights packed for the invariant
+    GEMM (models/packed_weights.py), every kernel choice measured (whatever
     $MIXSERVE_KERNEL_TIMING says), and the decode graph compiled into Inductor's cache (or timed
     slower than eager, which is cached as well). Then a 4-token request checks that the engine
     serves. Exit 0, or 1 where something could not be kept (a read-only or full cache root),
@@ -152,6 +153,9 @@ def cmd_prepare(a) -> int:
     llm = LLM(**vars(engine_args(a, graph_warmup="foreground")))
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     eng = llm.engine
+    from mixserve.models.packed_weights import finish_writing
+
+    finish_writing()  # the packed weights, kept before what was not kept is listed
     print(eng.describe(), file=sys.stderr)
     for line in eng.kernels.describe():
         print(f"  kernel {line}", file=sys.stderr)
@@ -912,7 +916,8 @@ def main(argv=None) -> int:
 
 def entry() -> int:
     """The `mixserve` console command: main(), then an exit that skips the interpreter's
-    finalization. What a command writes is flushed and its log handlers closed first; what is
+    finalization. What a command writes is flushed and its log handlers closed first, after the
+    packed weights a first start writes for the next one (models/packed_weights.py); what is
     skipped is waiting for a background decode-graph compile (what Inductor finished is in its
     cache; the rest is abandoned) and tearing down threads that may still run: a daemon thread
     holding stdout's lock, or a C++ thread pool's static destructor, at finalization aborts the
@@ -920,6 +925,8 @@ def entry() -> int:
     rc = main()
     from mixserve.env import remove_scratch
 
+    if "mixserve.models.packed_weights" in sys.modules:  # an engine ran (importing it costs torch's import)
+        sys.modules["mixserve.models.packed_weights"].finish_writing()
     remove_scratch()  # os._exit below skips atexit
     sys.stdout.flush()
     sys.stderr.flush()

@@ -21,6 +21,7 @@ from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_p
                                            parse_overrides)
 from mixserve.kv.contiguous import ContiguousBlockManager
 from mixserve.layers import batch_invariance, gguf_linear
+from mixserve.models import packed_weights
 from mixserve.models.loader import check_same_vocab, load_model
 from mixserve.sampling_params import SamplingParams
 from mixserve.sequence import Sequence, SequenceStatus
@@ -82,6 +83,10 @@ def _build_kernels_in_background(args: EngineArgs) -> None:
     build_in_background(builds)
 
 
+# a non-empty prompt text that the tokenizer turns into no token at all: refused, saying why
+NO_TOKENS = "prompt: its text encodes to no tokens (this model's tokenizer drops every character of it)"
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -133,11 +138,18 @@ class LLMEngine:
         self.batch_invariant = args.batch_invariant == "on" and why_not is None
         self.invariance_note = "on" if self.batch_invariant else f"off ({why_not})" if why_not else "off"
         t1 = time.perf_counter()
-        for m in (self.model, draft[1] if draft else None):
+        # the dense weights' invariant-GEMM copies, kept from an earlier start (models/packed_weights.py)
+        self.packed_saves: list = []  # threads writing them where this start packed anew
+        for m, folder in ((self.model, self.model_dir), (draft[1], draft[3]) if draft else (None, None)):
             if m is not None and self.device.type != "cpu":
                 m.place(self.device, None if args.kernels == "eager" else self.kernels)
             elif hasattr(m, "choose_kernels"):
-                m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant)
+                store = (packed_weights.store_path(folder, self.dtype, getattr(m, "quant", None))
+                         if self.batch_invariant and folder is not None else None)
+                fresh = m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant,
+                                         packed=packed_weights.load(store))
+                if fresh and store is not None:
+                    self.packed_saves.append(packed_weights.save_in_background(store, m))
         self.kernel_choice_s = time.perf_counter() - t1
         startup.mark("kernel choices")
         # The draft's cache holds as many tokens as the target's, so the budget is split in
@@ -316,6 +328,8 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             text, ids = prompt, self.encode(prompt)
+            if not ids:  # e.g. only control characters, which this vocabulary drops
+                raise ValueError(NO_TOKENS)
         else:
             if hasattr(prompt, "tolist"):  # torch / numpy arrays of ids
                 prompt = prompt.tolist()

@@ -48,24 +48,32 @@ def unavailable() -> str | None:
     return None
 
 
-def apply(model: nn.Module) -> None:
+def apply(model: nn.Module, packed: dict | None = None) -> int:
     """Put every layer of `model` (a LlamaForCausalLM on the CPU, after its kernel choice) on its
     batch-invariant path: dense linears on the invariant GEMM, the int4 / GGUF row switches off,
     attention on the paged kernel for every row (model.batch_invariant = True, read by the model
-    runner). Raises RuntimeError where `unavailable()` says why not."""
+    runner). packed: {module name: weight in the GEMM's panel layout} kept from an earlier start
+    (models/packed_weights.py), each taken where it matches (DenseLinear.set_impl). Returns how
+    many dense linears were packed anew. Raises RuntimeError where `unavailable()` says why not."""
+    from mixserve.layers.linear import DenseLinear
     from mixserve.layers.rmsnorm import RMSNorm
 
     why = unavailable()
     if why:
         raise RuntimeError(f"batch invariance: {why}")
-    for m in model.modules():
-        apply_linear(m)
+    fresh = 0
+    for name, m in model.named_modules():
+        if isinstance(m, DenseLinear) and m.impl != "invariant":
+            fresh += not m.set_impl("invariant", (packed or {}).get(name))
+        else:
+            apply_linear(m)
         if isinstance(m, RMSNorm):
             m.opaque = True
     for layer in getattr(model, "layers", []):
         layer.decode_attention = "paged"
         layer.opaque_mlp = True
     model.batch_invariant = True
+    return fresh
 
 
 def clear(model: nn.Module) -> None:

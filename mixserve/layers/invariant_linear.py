@@ -244,6 +244,20 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+def matches(packed: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `packed` is `pack(weight)` by its shape, dtype and three sampled panels (the first,
+    the middle and the last, padding included), each compared bit for bit: the check of a packed
+    copy kept on disk (models/packed_weights.py) against the weight it stands for."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    if packed.dtype != weight.dtype or tuple(packed.shape) != (panels, k, PANEL):
+        return False
+    for p in sorted({0, panels // 2, panels - 1}):
+        if not torch.equal(packed[p], pack(weight[p * PANEL:(p + 1) * PANEL])[0]):
+            return False
+    return True
+
+
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of `pack`: [ceil(n/16), K, 16] -> [n, K], contiguous."""
     return packed.transpose(1, 2).reshape(packed.shape[0] * PANEL, packed.shape[1])[:n].contiguous()

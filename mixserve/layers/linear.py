@@ -54,14 +54,17 @@ class DenseLinear(nn.Module):
         # prepacked copy, it costs no memory and lets the gemv kernel serve few rows
         self.keep_plain = False
 
-    def set_impl(self, impl: str) -> None:
+    def set_impl(self, impl: str, packed: torch.Tensor | None = None) -> bool:
         """Switch kernel: "plain", "onednn", "gemv" or "invariant"; a kernel that cannot take this
-        weight (oneDNN off, not bf16, no AVX512-BF16, no AVX2) leaves it on "plain". Raises
-        ValueError for another name."""
+        weight (oneDNN off, not bf16, no AVX512-BF16, no AVX2) leaves it on "plain". packed: for
+        "invariant", the weight already in its panel layout (a memory-mapped copy from an earlier
+        start, models/packed_weights.py), taken where its shape, dtype and sampled panels match
+        this weight, else packed anew. Returns whether `packed` was taken. Raises ValueError for
+        another name."""
         if impl not in ("plain", "onednn", "gemv", "invariant"):
             raise ValueError(f"dense linear: unknown kernel {impl!r} (plain, onednn, gemv or invariant)")
         if impl == self.impl:
-            return
+            return False
         if self.packed is not None:
             self.weight = self.weight if self.weight is not None else self.packed.to_dense()
             self.packed = None
@@ -69,9 +72,12 @@ class DenseLinear(nn.Module):
             self.weight = self.dense_weight()
             self.inv_packed = None
         self.impl = "plain"
+        taken = False
         if impl == "invariant" and self.weight.dtype in (torch.float32, torch.bfloat16) \
                 and self.weight.device.type == "cpu" and invariant_linear.available():
-            self.inv_packed, self.impl = invariant_linear.pack(self.weight), "invariant"
+            taken = packed is not None and invariant_linear.matches(packed, self.weight)
+            self.inv_packed = packed if taken else invariant_linear.pack(self.weight)
+            self.impl = "invariant"
             self.weight = self.weight.contiguous() if self.keep_plain else None
             if self.bias is not None:
                 self._bias_f32 = self.bias.float().contiguous()
@@ -86,6 +92,7 @@ class DenseLinear(nn.Module):
                 self.impl = "onednn"
             except RuntimeError:
                 self.packed = None
+        return taken
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor."""

@@ -131,24 +131,26 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, dtype)
         self.batch_invariant = False  # layers/batch_invariance.apply sets it (read by the model runner)
 
-    def choose_kernels(self, chooser: KernelChooser, batch_invariant: bool = False) -> None:
+    def choose_kernels(self, chooser: KernelChooser, batch_invariant: bool = False,
+                       packed: dict | None = None) -> int:
         """Set every linear's and the decode attention's kernel to the chooser's pick for this
         model's shapes and dtype (measured once per machine, layers/kernel_choice.py). Until this
         is called the model runs PyTorch's eager kernels. batch_invariant: only the choices that
         keep a row's numerics the same at every row count are timed, then every layer is put on
         its batch-invariant path (layers/batch_invariance.py; RuntimeError where a kernel of it
-        did not build)."""
+        did not build), taking the dense weights already packed in `packed` where they match
+        (models/packed_weights.py). Returns how many dense linears were packed anew."""
         if not batch_invariant:
             batch_invariance.clear(self)
         for m in self.modules():
             choose_linear_kernel(m, chooser, self.dtype, invariant=batch_invariant)
         if batch_invariant:
-            batch_invariance.apply(self)
-            return
+            return batch_invariance.apply(self, packed)
         c = self.cfg
         pick = choose_decode_kernel(chooser, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
         for layer in self.layers:
             layer.decode_attention = pick
+        return 0
 
     def place(self, device: torch.device, chooser=None) -> None:
         """Move the model to a non-CPU device (device.move_module): dense linears run PyTorch's

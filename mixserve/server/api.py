@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mixserve.engine.llm_engine import LLMEngine, RequestOutput
+from mixserve.engine.llm_engine import NO_TOKENS, LLMEngine, RequestOutput
 from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
 from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs,
                                       empty_completion_logprobs, join_logprobs, prompt_logprobs)
@@ -463,7 +463,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                     raise bad_request("prompt", "prompt: must not be empty")
                 if tokenizer is None:
                     raise bad_request("prompt", "prompt: this model has no tokenizer; send token ids")
-                out.append((p, encode_text(p, "prompt")))
+                ids = encode_text(p, "prompt")
+                if not ids:  # e.g. only control characters, which this vocabulary drops
+                    raise bad_request("prompt", NO_TOKENS)
+                out.append((p, ids))
             else:
                 if not p:
                     raise bad_request("prompt", "prompt: must not be empty")

@@ -214,3 +214,12 @@ def test_light_tokenizer_equals_transformers(name, smollm2_path, qwen05_path):
     for gen in (True, False):
         assert (light.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
                 == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen))
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_refused_saying_so(smol):
+    # SmolLM2's vocabulary drops control characters: the text is not empty, its tokens are (found by
+    # the server fuzz, which got "must not be empty" for "\x16")
+    assert smol.tokenizer.encode("\x16") == []
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        smol.generate(["\x16"], SamplingParams(max_tokens=2))
+    assert smol.generate(["hi \x16"], SamplingParams(max_tokens=2))[0].token_ids

@@ -1,0 +1,110 @@
+"""Dense weights in the batch-invariant GEMM's panel layout, kept on disk and memory-mapped at the
+next start (issue 32).
+
+With batch invariance on, every dense linear runs `layers/invariant_linear.py`, whose weight is a
+copy in panels of 16 output columns ([ceil(N/16), K, 16], `invariant_linear.pack`). Making that copy
+took 4.1 s of the 1.5B's 12.7 s warm start (6 GB of float32 weights) and ~1 s of the 0.5B's. So the
+first start writes every packed weight of the model to one safetensors file under
+`<cache root>/packed/`, on a thread once its engine is ready, and later starts map it: the kernel
+reads the file's pages, which the OS shares between processes (replicas) and keeps warm.
+
+The file is keyed by the source weights' files (path, size, modification time), the dtype, the
+quantization and the layout's version (`LAYOUT`, with `invariant_linear.PANEL`). A folder that a
+finished write did not complete (no DONE, a file of another size: `weights._complete`) is not
+read; a tensor missing, of another shape or dtype, or whose sampled panels differ from a fresh
+packing of the source weight (a foreign or corrupt file) is packed again, and the file rewritten.
+A flipped byte in a panel that is not sampled is not detected (the file is not checksummed: reading
+all of it at every start is what this avoids). Where the cache root cannot be written the engine
+packs in memory, as before, and says so (env.note_unkept).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from mixserve.env import cache_root, cannot_write, note_unkept, publish_dir
+from mixserve.layers import invariant_linear
+
+log = logging.getLogger("mixserve")
+
+LAYOUT = 1  # bump when invariant_linear.pack's layout changes
+FILE = "packed.safetensors"
+_writing: list[threading.Thread] = []  # save_in_background's threads (finish_writing waits for them)
+
+
+def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | None:
+    """Where the packed weights of the model loaded from `folder` (an HF folder: its *.safetensors
+    files) in `dtype` are kept; None where the folder has no safetensors (a GGUF loaded natively)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        return None
+    ident = []
+    for f in files:
+        st = f.stat()
+        ident.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    key = json.dumps({"files": ident, "dtype": str(dtype), "quant": repr(quant), "layout": LAYOUT,
+                      "panel": invariant_linear.PANEL})
+    return cache_root() / "packed" / f"{Path(folder).name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def load(path: Path | None) -> dict[str, torch.Tensor]:
+    """{module name: packed weight} memory-mapped from a complete store at `path`, else {} (none
+    yet, cut short, or unreadable: packed again and rewritten)."""
+    from safetensors.torch import load_file
+
+    from mixserve.models.weights import _complete
+
+    if path is None or not _complete(path):
+        return {}
+    try:
+        return load_file(str(path / FILE))
+    except Exception as e:  # noqa: BLE001 -- a damaged header: pack again, rewrite
+        log.warning("packed weights in %s unreadable (%s: %s); packing again", path, type(e).__name__, e)
+        return {}
+
+
+def save_in_background(path: Path, model) -> threading.Thread:
+    """Write every packed dense weight of `model` (module name -> DenseLinear.inv_packed) to a
+    store at `path` on a daemon thread, replacing what is there (the caller packed anew because it
+    was missing or wanting). publish_dir: a temporary folder renamed into place, so a process that
+    exits first leaves nothing that a later start would read. Returns the thread."""
+    tensors = {name: m.inv_packed for name, m in model.named_modules() if getattr(m, "inv_packed", None) is not None}
+
+    def write():
+        from safetensors.torch import save_file
+
+        from mixserve.models.weights import _write_done
+
+        def fill(tmp: Path) -> None:
+            save_file(tensors, str(tmp / FILE))
+            _write_done(tmp, f"{len(tensors)} packed weights")
+        try:
+            # replace whatever is there: it was found wanting (cut, foreign, unreadable), or another
+            # process wrote the same bits meanwhile
+            publish_dir(path, fill, lambda out: False)
+        except OSError as e:
+            if cannot_write(e):
+                note_unkept("packed weights", f"{path.parent}: {e.strerror or e}")
+            else:
+                log.warning("packed weights not kept in %s: %s", path, e)
+
+    t = threading.Thread(target=write, name="mixserve-packed-weights", daemon=True)
+    t.start()
+    _writing.append(t)
+    return t
+
+
+def finish_writing() -> None:
+    """Wait for the stores save_in_background is still writing (the CLI, before its exit skips
+    every thread: a short first run would otherwise never keep them), saying so."""
+    left = [t for t in _writing if t.is_alive()]
+    if left:
+        log.warning("keeping the packed weights for the next start (%d being written)", len(left))
+    for t in left:
+        t.join()
+    _writing.clear()

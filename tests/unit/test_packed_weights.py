@@ -1,0 +1,93 @@
+"""The dense weights' invariant-GEMM copies kept on disk (models/packed_weights.py, issue 32): a later
+start maps them instead of packing, with the same output bit for bit; a copy cut short, foreign or
+unreadable is packed again and rewritten, never used."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mixserve import SamplingParams
+from mixserve.layers import batch_invariance
+from mixserve.llm import LLM
+from mixserve.models import packed_weights
+from tests.unit.test_engine_tiny import make_tiny, prompts
+
+pytestmark = pytest.mark.skipif(batch_invariance.unavailable() is not None,
+                                reason=f"batch invariance unavailable: {batch_invariance.unavailable()}")
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folder, _ = make_tiny(tmp_path, "llama", tie=False)
+    return folder
+
+
+def _start(folder):
+    llm = LLM(folder, dtype="float32", kv_cache_memory="2MiB", progress=False, graph_warmup="off")
+    for t in llm.engine.packed_saves:
+        t.join(60)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts(3, seed=4), sp)
+    return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+def _store(folder):
+    import torch
+
+    return packed_weights.store_path(folder, torch.float32)
+
+
+def test_a_later_start_maps_the_packed_weights_and_gives_the_same_bits(tiny):
+    first, ref = _start(tiny)
+    assert len(first.engine.packed_saves) == 1  # packed anew, and kept
+    store = _store(tiny)
+    names = {n for n, m in first.engine.model.named_modules() if getattr(m, "inv_packed", None) is not None}
+    assert set(packed_weights.load(store)) == names and len(names) == 2 * 4 + 1  # 4 linears a layer, the head
+    second, out = _start(tiny)
+    assert second.engine.packed_saves == [] and out == ref  # every copy taken: nothing packed, nothing written
+
+
+def test_a_cut_foreign_or_unreadable_copy_is_packed_again_and_rewritten(tiny):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _, ref = _start(tiny)
+    store = _store(tiny)
+    f = store / packed_weights.FILE
+
+    def done_sizes():  # DONE lists the sizes a finished write left
+        d = json.loads((store / "DONE").read_text())
+        d["sizes"][packed_weights.FILE] = f.stat().st_size
+        (store / "DONE").write_text(json.dumps(d))
+
+    damages = {
+        "cut": lambda: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+        # another model's numbers in the same names and shapes, DONE made to agree
+        "foreign": lambda: (save_file({k: torch.randn_like(v) for k, v in load_file(str(f)).items()}, str(f)),
+                            done_sizes()),
+        "unreadable header": lambda: (f.write_bytes(b"\xff" * f.stat().st_size), done_sizes()),
+    }
+    for what, damage in damages.items():
+        damage()
+        llm, out = _start(tiny)
+        assert len(llm.engine.packed_saves) == 1, what  # packed anew and rewritten
+        assert out == ref, what
+        kept = packed_weights.load(store)
+        assert kept and all(torch.equal(kept[n], m.inv_packed) for n, m in llm.engine.model.named_modules()
+                            if getattr(m, "inv_packed", None) is not None), what
+
+
+def test_the_store_is_keyed_by_the_source_files_and_the_dtype(tiny, tmp_path):
+    import os
+
+    import torch
+
+    a = packed_weights.store_path(tiny, torch.float32)
+    assert a == packed_weights.store_path(tiny, torch.float32)
+    assert a != packed_weights.store_path(tiny, torch.bfloat16)
+    f = next(p for p in os.scandir(tiny) if p.name.endswith(".safetensors"))
+    os.utime(f.path, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))  # the weights replaced in place
+    assert packed_weights.store_path(tiny, torch.float32) != a
+    assert packed_weights.store_path(tmp_path, torch.float32) is None  # no safetensors: nothing kept
