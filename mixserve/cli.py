@@ -139,8 +139,8 @@ def cmd_prepare(a) -> int:
     copy or tokenizer folder, the C++ kernels' builds, the dense weights packed for the invariant
     GEMM (models/packed_weights.py), every kernel choice measured (whatever
     $MIXSERVE_KERNEL_TIMING says), and the decode graph compiled into Inductor's cache (or timed
-    slower than eager, which is cached as well). Then a 4-token request checks that the engine
-    serves. Exit 0, or 1 where something could not be kept (a read-only or full cache root),
+    slower than eager, which is cached as well). Then a request of one prompt token and up to 4
+    new ones checks that the engine serves. Exit 0, or 1 where something could not be kept (a read-only or full cache root),
     each named."""
     from mixserve import SamplingParams
     from mixserve.env import cache_root, unkept
@@ -150,9 +150,15 @@ def cmd_prepare(a) -> int:
     # the point of this command is to measure what a start with `prior` timing would only guess
     os.environ["MIXSERVE_KERNEL_TIMING"] = "measure"
     os.environ["MIXSERVE_KERNEL_BUDGET"] = "inf"  # every choice, not a start's 20 s
+    if a.graph_warmup not in ("auto", "foreground"):
+        print(f"mixserve prepare: --graph-warmup {a.graph_warmup} ignored: prepare compiles the decode graph "
+              "in the foreground", file=sys.stderr)
     llm = LLM(**vars(engine_args(a, graph_warmup="foreground")))
-    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     eng = llm.engine
+    # one prompt token, and as many new ones as the context allows (up to 4)
+    out = llm.generate([[eng.tokenizer.encode("Hello")[0] if eng.tokenizer is not None else 0]],
+                       SamplingParams(temperature=0, max_tokens=max(1, min(4, eng.max_model_len - 1)),
+                                      ignore_eos=True))[0]
     from mixserve.models.packed_weights import finish_writing
 
     finish_writing()  # the packed weights, kept before what was not kept is listed
@@ -162,7 +168,7 @@ def cmd_prepare(a) -> int:
     lost = unkept()
     for what, why in lost.items():
         print(f"not kept: {what} ({why})", file=sys.stderr)
-    print(f"prepared {a.model} in {time.perf_counter() - t0:.1f} s (cache root {cache_root()}; a 4-token "
+    print(f"prepared {a.model} in {time.perf_counter() - t0:.1f} s (cache root {cache_root()}; a test "
           f"request took {out.metrics['e2e']:.2f} s){'; ' + str(len(lost)) + ' things not kept' if lost else ''}")
     return 1 if lost else 0
 

@@ -147,9 +147,16 @@ _scratch: Path | None = None
 
 def cannot_write(e: BaseException) -> bool:
     """Whether `e` says that a cache folder cannot be written here (a read-only file system, no
-    permission, no space or quota), as opposed to a fault that must be reported."""
-    return isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
-                                                   errno.EDQUOT)
+    permission, no space or quota), as opposed to a fault that must be reported. Besides OSError,
+    a library's own error that carries the OS's ("... (os error 28)": safetensors' SafetensorError
+    on a full disk)."""
+    import re
+
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(m.group(1)) if m else None
+    return code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
 
 
 def note_unkept(what: str, why: str) -> None:
@@ -157,8 +164,8 @@ def note_unkept(what: str, why: str) -> None:
     the folder and the error. unkept() lists them; the engine's describe() prints them."""
     if what not in _unkept:
         _unkept[what] = why
-        logging.getLogger("mixserve").warning("not kept in the cache: %s (%s); this process uses a scratch "
-                                              "copy, and the next start does the work again", what, why)
+        logging.getLogger("mixserve").warning("not kept in the cache: %s (%s); this process keeps it in memory or "
+                                              "a scratch folder, and the next start does the work again", what, why)
 
 
 def unkept() -> dict[str, str]:
@@ -174,9 +181,21 @@ def scratch_dir() -> Path:
         import atexit
         import tempfile
 
-        _scratch = Path(tempfile.mkdtemp(prefix="mixserve-scratch-"))
+        _remove_dead_scratch(Path(tempfile.gettempdir()))
+        _scratch = Path(tempfile.mkdtemp(prefix=f"mixserve-scratch-{os.getpid()}-"))
         atexit.register(remove_scratch)
     return _scratch
+
+
+def _remove_dead_scratch(tmp: Path) -> None:
+    """Remove the scratch folders of processes that are gone without removing theirs (SIGTERM,
+    SIGKILL: a float32 copy of a model is gigabytes of the temporary folder)."""
+    import shutil
+
+    for p in tmp.glob("mixserve-scratch-*-*"):
+        pid = p.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def remove_scratch() -> None:
@@ -208,10 +227,10 @@ def publish_or_scratch(out: Path, fill, complete, what: str) -> Path:
     which. Returns the folder. Raises what `fill` raises, or another OSError."""
     try:
         return publish_dir(out, fill, complete)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 -- OSError, or a library's error carrying one (cannot_write)
         if not cannot_write(e):
             raise
-        note_unkept(what, f"{out.parent}: {e.strerror or e}")
+        note_unkept(what, f"{out.parent}: {getattr(e, 'strerror', None) or e}")
     import shutil
 
     tmp = scratch_dir() / out.name

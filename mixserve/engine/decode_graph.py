@@ -286,6 +286,8 @@ def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), cont
     from mixserve.layers.kernel_choice import geomean
 
     limit = max_model_len if max_model_len is not None else context + steps + 3
+    if limit < 8:  # too short a context to time a step in (1 token of context, 1 step, 2 warm-ups)
+        return {"eager": lambda: 1.0}
     steps = max(1, min(steps, limit - 4))
     context = max(1, min(context, limit - steps - 3))
     bs = runner.block_size

@@ -51,6 +51,7 @@ def test_a_later_start_maps_the_packed_weights_and_gives_the_same_bits(tiny):
 
 def test_a_cut_foreign_or_unreadable_copy_is_packed_again_and_rewritten(tiny):
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     _, ref = _start(tiny)
@@ -62,7 +63,19 @@ def test_a_cut_foreign_or_unreadable_copy_is_packed_again_and_rewritten(tiny):
         d["sizes"][packed_weights.FILE] = f.stat().st_size
         (store / "DONE").write_text(json.dumps(d))
 
+    def unsampled_panel():  # panel 1 of layers.0.mlp's 8 (panels 0, 4 and 7 are sampled): same size
+        tensors = load_file(str(f))
+        with safe_open(str(f), framework="pt") as g:
+            meta = g.metadata()
+        t = tensors["layers.0.gate_up_proj"].clone()
+        assert t.shape[0] == 16
+        t[1] *= 3
+        tensors["layers.0.gate_up_proj"] = t
+        save_file(tensors, str(f), metadata=meta)
+        done_sizes()
+
     damages = {
+        "unsampled panel": unsampled_panel,
         "cut": lambda: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
         # another model's numbers in the same names and shapes, DONE made to agree
         "foreign": lambda: (save_file({k: torch.randn_like(v) for k, v in load_file(str(f)).items()}, str(f)),

@@ -176,3 +176,36 @@ def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path
     assert "decode graph: compiled" in ro.stderr
     notes = [line for line in ro.stderr.splitlines() if "not kept in the cache:" in line]
     assert notes and all("Inductor" in line for line in notes), notes
+
+
+def test_a_full_disk_reported_by_a_library_is_a_cache_that_cannot_be_written(tmp_path, monkeypatch):
+    # safetensors reports ENOSPC as its own SafetensorError "... (os error 28)": the conversion went
+    # to no scratch folder and the engine failed to start (found by a break-it helper)
+    assert env.cannot_write(RuntimeError("I/O error: No space left on device (os error 28)"))
+    assert not env.cannot_write(RuntimeError("I/O error: Input/output error (os error 5)"))
+    monkeypatch.setattr(env, "_unkept", {})
+
+    def full(out, fill, complete):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(env, "publish_dir", full)
+    got = env.publish_or_scratch(tmp_path / "x", lambda t: (t / "f").write_text("y"), lambda o: False, "a thing")
+    assert (got / "f").read_text() == "y" and got.parent == env.scratch_dir() and "a thing" in env.unkept()
+
+
+def test_a_dead_processs_scratch_folder_is_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    left = tmp_path / f"mixserve-scratch-{dead}-abc"
+    live = tmp_path / f"mixserve-scratch-{os.getpid()}-def"
+    (left / "big").mkdir(parents=True)
+    live.mkdir()
+    env._remove_dead_scratch(tmp_path)
+    assert not left.exists() and live.exists()
+
+
+def test_the_graph_timing_fits_any_context_limit(tmp_path, monkeypatch):
+    """max_model_len 3 ran the timing's steps past the RoPE tables (IndexError, graph "compile
+    failed"); below 8 positions nothing is timed and the steps run eager."""
+    from mixserve.engine.decode_graph import decode_graph_candidates
+
+    assert set(decode_graph_candidates(None, None, 8, max_model_len=3)) == {"eager"}
