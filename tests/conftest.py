@@ -22,6 +22,13 @@ if "MIXSERVE_KERNEL_CACHE" not in os.environ:
     _choices = tempfile.mkdtemp(prefix="mixserve-suite-choices-")
     atexit.register(shutil.rmtree, _choices, True)
     os.environ["MIXSERVE_KERNEL_CACHE"] = os.path.join(_choices, "choices.json")
+# The packed weights the suite's engines write (models/packed_weights.py) go to a folder of the
+# suite's own: the tiny models live in temporary folders, so the user's cache root gathered one store
+# per test run (61 after a day's runs).
+if "MIXSERVE_PACKED_CACHE" not in os.environ:
+    _packed = tempfile.mkdtemp(prefix="mixserve-suite-packed-")
+    atexit.register(shutil.rmtree, _packed, True)
+    os.environ["MIXSERVE_PACKED_CACHE"] = _packed
 
 
 @pytest.fixture(scope="session")

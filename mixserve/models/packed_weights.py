@@ -40,7 +40,8 @@ _writing: list[threading.Thread] = []  # save_in_background's threads (finish_wr
 
 def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | None:
     """Where the packed weights of the model loaded from `folder` (an HF folder: its *.safetensors
-    files) in `dtype` are kept; None where the folder has no safetensors (a GGUF loaded natively)."""
+    files) in `dtype` are kept: under $MIXSERVE_PACKED_CACHE, else `<cache root>/packed`; None where
+    the folder has no safetensors (a GGUF loaded natively)."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         return None
@@ -50,7 +51,11 @@ def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | Non
         ident.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     key = json.dumps({"files": ident, "dtype": str(dtype), "quant": repr(quant), "layout": LAYOUT,
                       "panel": invariant_linear.PANEL})
-    return cache_root() / "packed" / f"{Path(folder).name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    import os
+
+    base = Path(os.environ["MIXSERVE_PACKED_CACHE"]) if os.environ.get("MIXSERVE_PACKED_CACHE") else \
+        cache_root() / "packed"
+    return base / f"{Path(folder).name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def checksum(t: torch.Tensor) -> str:
