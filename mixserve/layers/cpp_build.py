@@ -87,11 +87,11 @@ def _build_or_load(name: str, source: str, functions: list[str], needs: frozense
             if mod is None:
                 try:
                     mod = _build(name, source, functions, build)
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001 -- OSError, or another carrying the OS's (cannot_write)
                     if not cannot_write(e):
                         raise
                     # a read-only or full cache root: built for this process only
-                    note_unkept(f"C++ kernel {name}", f"{build.parent}: {e.strerror or e}")
+                    note_unkept(f"C++ kernel {name}", f"{build.parent}: {getattr(e, 'strerror', None) or e}")
                     mod = _build(name, source, functions, scratch_dir() / "kernels" / build.name)
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
