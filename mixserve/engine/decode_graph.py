@@ -274,6 +274,51 @@ class BackgroundGraph:
             self.ready.set()
 
 
+class GraphTrial:
+    """The decode graph's choice measured on live traffic (issue 32: a first start never waits for
+    the graph's timing). Where the choice is not yet known and the graph compiles in the background
+    (BackgroundGraph), the installed graph is on trial: decode steps the graph accepts alternate
+    eager, compiled, eager, ... and each eager step and the compiled step after it, at the same row
+    count, make a pair. After `PAIRS` pairs (the first one, the graph's first live call, dropped)
+    the medians decide it by kernel_choice's rule (MARGIN) and the choice is cached as any
+    measured one: the graph stays or is dropped. Both paths give the same tokens (the compiled
+    path equals eager, tested), so a trial changes no output. Interleaving makes the pairs share
+    whatever else loads the machine, which a timing before serving cannot do."""
+
+    PAIRS = 8
+
+    def __init__(self, chooser, key: str):
+        self.chooser, self.key = chooser, key
+        self.pairs: list[tuple[float, float]] = []  # (eager s, compiled s)
+        self._eager: tuple[int, float] | None = None  # the last eager step: (rows, seconds)
+        self._skip = 1
+
+    def wants_compiled(self) -> bool:
+        """Whether the next accepted step runs compiled (it follows an eager one)."""
+        return self._eager is not None
+
+    def add(self, compiled: bool, rows: int, seconds: float) -> None:
+        """One accepted step's wall seconds: `rows` rows, on the compiled path or not."""
+        if not compiled:
+            self._eager = (rows, seconds)
+            return
+        last, self._eager = self._eager, None
+        if last is not None and last[0] == rows:
+            if self._skip:
+                self._skip -= 1
+            else:
+                self.pairs.append((last[1], seconds))
+
+    def done(self) -> bool:
+        return len(self.pairs) >= self.PAIRS
+
+    def decide(self) -> tuple[str, dict[str, float]]:
+        """("compiled" or "eager", {name: median seconds per step}), recorded in the chooser's cache."""
+        timings = {"eager": statistics.median(p[0] for p in self.pairs),
+                   "compiled": statistics.median(p[1] for p in self.pairs)}
+        return self.chooser.record(self.key, timings, "eager", "measured on live steps"), timings
+
+
 def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,
                             steps: int = 6, max_model_len: int | None = None) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this

@@ -7,6 +7,7 @@ sequence's context is. Only the rows that sample get logits.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -132,6 +133,7 @@ class ModelRunner:
         self.graph = None  # a DecodeGraph (CPU) or CudaGraphDecoder (CUDA) once chosen
         self.graph_choice = "eager"
         self.pending_graph = None  # a decode_graph.BackgroundGraph until it is installed
+        self.graph_trial = None  # a decode_graph.GraphTrial while the graph's choice is measured on live steps
 
     def use_cuda_graphs(self, max_model_len: int, max_rows: int, capture: bool | None = None) -> str:
         """Replay decode-only steps from CUDA graphs (engine/cuda_graph.py), captured lazily per
@@ -149,9 +151,12 @@ class ModelRunner:
         an override or the cache says so. Returns "compiled", "eager", or why the graph is
         unsupported. background: a graph chosen without timing it (cache, override) is compiled
         or loaded on a thread while steps run eager, and installed when ready (`install_graph`);
-        a graph that was just timed is compiled already and used at once. off: no graph, nothing
-        timed (EngineArgs graph_warmup "off")."""
-        from mixserve.engine.decode_graph import (BackgroundGraph, DecodeGraph, decode_graph_candidates,
+        a graph that was just timed is compiled already and used at once; a choice nobody knows
+        yet (not in the cache, no override, timing "measure") is not timed before serving: the
+        graph compiles on a thread and, once installed, is timed against eager steps on live
+        traffic (decode_graph.GraphTrial), so a first start waits for no compile. off: no graph,
+        nothing timed (EngineArgs graph_warmup "off")."""
+        from mixserve.engine.decode_graph import (BackgroundGraph, DecodeGraph, GraphTrial, decode_graph_candidates,
                                                   graph_supported, max_graph_rows, warm_up)
 
         if off:
@@ -178,8 +183,18 @@ class ModelRunner:
 
         forwards = self.num_forwards
         try:
-            pick = chooser.choose(key, decode_graph_candidates(self, make_graph, rows, max_model_len=max_model_len),
-                                 "eager")
+            candidates = decode_graph_candidates(self, make_graph, rows, max_model_len=max_model_len)
+            if (background and chooser.timing == "measure" and "compiled" in candidates
+                    and chooser.known(key, candidates) is None):
+                self.pending_graph = BackgroundGraph(self, make_graph)
+                self.graph_trial = GraphTrial(chooser, key)
+                self.graph_choice = ("compiled on trial (compiling in the background, then timed against eager "
+                                     "steps on live traffic; kept where faster)")
+                log.warning("decode graph: not yet timed on this machine; it compiles in the background while "
+                            "steps run eager, then %d of its steps are timed against as many eager ones (cached in %s)",
+                            GraphTrial.PAIRS, chooser.path)
+                return "trial"
+            pick = chooser.choose(key, candidates, "eager")
             if pick == "compiled" and background and not made:  # chosen without timing it: nothing compiled yet
                 self.pending_graph = BackgroundGraph(self, make_graph)
                 self.graph_choice = "compiled (loading in the background: steps run eager until it is ready)"
@@ -337,11 +352,23 @@ class ModelRunner:
         if bg.error is not None:
             log.warning("decode graph unavailable, decode steps run eager: %s: %s", type(bg.error).__name__, bg.error)
             self.graph_choice = f"eager (compile failed: {type(bg.error).__name__})"
+            self.graph_trial = None
             return False
         bg.graph.num_steps = 0  # the warm-up's steps are not the engine's
-        self.graph, self.graph_choice = bg.graph, "compiled"
+        self.graph = bg.graph
+        self.graph_choice = "compiled (on trial against eager steps)" if self.graph_trial else "compiled"
         log.info("decode graph ready after %.1f s in the background", bg.seconds)
         return False
+
+    def _end_trial(self) -> None:
+        """Decide the graph's trial (GraphTrial): keep the graph or drop it, and say which."""
+        trial, self.graph_trial = self.graph_trial, None
+        pick, t = trial.decide()
+        figures = f"compiled {t['compiled'] * 1e3:.1f} ms vs eager {t['eager'] * 1e3:.1f} ms a step, live"
+        log.warning("decode graph: %s (%s)", "kept" if pick == "compiled" else "dropped, steps run eager", figures)
+        if pick != "compiled":
+            self.graph = None
+        self.graph_choice = f"{pick} (measured on live steps: {figures})"
 
     def run(self, items: list[BatchItem], copies: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list[BatchItem]]:
         """Run one forward pass over `items`. Returns (float32 logits [N, vocab], the items that
@@ -349,9 +376,23 @@ class ModelRunner:
         self.copy_blocks(list(copies))
         if self.pending_graph is not None:
             self.install_graph()
-        if self.graph is not None and not any(it.score for it in items) and self.graph.accepts(items):
-            self.num_forwards += 1
-            return self.graph.run(items, self.bm.block_table), list(items)
+        graph = self.graph
+        if graph is not None and not any(it.score for it in items) and graph.accepts(items):
+            trial = self.graph_trial
+            if trial is None:
+                self.num_forwards += 1
+                return graph.run(items, self.bm.block_table), list(items)
+            compiled = trial.wants_compiled()
+            t0 = time.perf_counter()
+            if compiled:
+                self.num_forwards += 1
+                out = graph.run(items, self.bm.block_table), list(items)
+            else:
+                out = self.run_eager(items)
+            trial.add(compiled, len(items), time.perf_counter() - t0)
+            if trial.done():
+                self._end_trial()
+            return out
         return self.run_eager(items)
 
     def run_eager(self, items: list[BatchItem], block_table=None) -> tuple[torch.Tensor, list[BatchItem]]:

@@ -32,7 +32,8 @@ A start measures for `budget_s` seconds at most (default 20, `$MIXSERVE_KERNEL_B
 a first start on a new machine timed kernels for minutes): a choice left when it is spent runs its
 eager candidate, uncached, and a later start (or `mixserve prepare`, which has no budget) times it.
 The decode graph's choice is outside the budget: its timing is an Inductor compile whose length
-is unknown until it has run once.
+is unknown until it has run once. With the graph warmed up in the background it is not timed before
+serving at all: the engine times it on live steps (engine/decode_graph.py GraphTrial) and `record`s it.
 """
 from __future__ import annotations
 
@@ -360,6 +361,25 @@ class KernelChooser:
             startup.add("kernel timing", dt)
             if not key.startswith(UNBUDGETED):
                 self.spent_s += dt
+        return self.record(key, timings, eager)
+
+    def known(self, key: str, candidates: dict) -> str | None:
+        """`key`'s choice where an override or the cache decides it (then taken as `choose` would
+        take it), else None: the caller may measure it its own way and `record` the timings
+        (the decode graph's trial on live steps, engine/decode_graph.py GraphTrial).
+        Raises ValueError for an override naming no candidate."""
+        if key in self.choices:
+            return self.choices[key].name
+        forced = self._override(key)
+        if forced is not None or self._from_cache(key, candidates):
+            return self.choose(key, candidates, next(iter(candidates)))
+        return None
+
+    def record(self, key: str, timings: dict[str, float], eager: str, source: str = "measured") -> str:
+        """Decide `key` from `timings` (name -> seconds per call, however measured) by the rule
+        `choose` applies (the fastest, unless it beats `eager` by less than MARGIN), remember it
+        and cache it. A NaN timing is left out and nothing is cached. Returns the choice.
+        Raises RuntimeError when every timing is NaN."""
         failed = [name for name, t in timings.items() if math.isnan(t)]
         timings = {name: t for name, t in timings.items() if name not in failed}
         if not timings:
@@ -370,9 +390,9 @@ class KernelChooser:
         if failed:
             log.warning("kernels: %s: %s timed as NaN; using %s for this process, not cached",
                         key, ", ".join(failed), best)
-            self.choices[key] = Choice(key, best, "measured, not cached", timings)
+            self.choices[key] = Choice(key, best, f"{source}, not cached", timings)
             return best
-        self.choices[key] = choice = Choice(key, best, "measured", timings)
+        self.choices[key] = choice = Choice(key, best, source, timings)
         self._write(key, choice)
         return best
 

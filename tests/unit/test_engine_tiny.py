@@ -425,6 +425,68 @@ def test_a_background_graph_changes_no_token(tiny, monkeypatch):
     assert [key(outs[i]) for i in ids] == [key(o) for o in ref]
 
 
+def test_an_untimed_graph_is_tried_on_live_steps_and_changes_no_token(tiny, monkeypatch, tmp_path):
+    """A first start (the decode graph's choice neither cached nor overridden, timing "measure",
+    graph_warmup "background") times nothing before serving: the graph compiles on a thread, then
+    its steps alternate with eager ones on live traffic until GraphTrial.PAIRS pairs decide it,
+    and the choice is cached with both timings. Float32 greedy through the swap and the trial
+    equals eager bit for bit, and the next engine takes the cached choice with no trial."""
+    import json
+    import threading
+
+    import mixserve.engine.decode_graph as dg
+
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
+    monkeypatch.setenv("MIXSERVE_KERNEL_CACHE", str(tmp_path / "choices.json"))
+    monkeypatch.setattr(dg.GraphTrial, "PAIRS", 3)
+    folder, _ = tiny
+    go, real = threading.Event(), dg.warm_up
+
+    def held_warm_up(*args, **kw):
+        assert go.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dg, "warm_up", held_warm_up)
+    # every other choice fixed, so that only the graph's is left to measure
+    kernels = "decode_attention=paged"
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=kernels,
+              graph_warmup="background")
+    eng, runner = llm.engine, llm.engine.runner
+    assert runner.graph_trial is not None and "on trial" in eng.describe()
+    ps = prompts(3)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ids = [eng.add_request(p, sp) for p in ps]
+    outs, steps, trial = {}, 0, runner.graph_trial
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+        if steps == 3:
+            assert runner.graph is None and not trial.pairs  # eager while it compiles
+            go.set()
+            assert eng.wait_for_graph(120)
+    assert runner.graph_trial is None and len(trial.pairs) == 3  # decided
+    cached = json.loads((tmp_path / "choices.json").read_text())["machines"]
+    (entry,) = [v for m in cached.values() for k, v in m.items() if k.startswith("decode_graph/")]
+    assert set(entry["timings"]) == {"eager", "compiled"} and entry["name"] in ("eager", "compiled")
+    assert "measured on live steps" in eng.describe()
+    assert (runner.graph is not None) == (entry["name"] == "compiled")
+    eager = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager")
+    ref = eager.generate(ps, sp)
+
+    def key(o):
+        return o.token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.logprobs]
+
+    assert [key(outs[i]) for i in ids] == [key(o) for o in ref]
+    # the next start knows the choice: no trial, no timing before serving
+    monkeypatch.setattr(dg, "warm_up", real)
+    again = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=kernels,
+                graph_warmup="background")
+    assert again.engine.runner.graph_trial is None
+    assert (again.engine.runner.pending_graph is not None) == (entry["name"] == "compiled")
+
+
 def test_background_graph_failure_leaves_the_engine_eager(tiny, monkeypatch):
     """A compile that fails on the thread is reported once and the engine runs on eager."""
     import mixserve.engine.decode_graph as dg
