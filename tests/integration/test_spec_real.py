@@ -56,7 +56,7 @@ def _capture(engine, into: dict):
 
 
 @pytest.mark.parametrize("invariant", ["on", "off"])
-def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant, monkeypatch, tmp_path):
+def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path, invariant, monkeypatch):
     """bf16, --batch-invariant off: a (k+1)-row verification forward and a 1-row decode step round
     the body's activations differently, so their logits differ by a small noise; speculative greedy
     may then leave plain greedy only where plain's top-2 gap is within that noise. The noise is
@@ -66,17 +66,14 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     both ways, and speculative greedy is plain greedy outright."""
     prompts = ["def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a",
                "import json\n\ndef load(path):"]
-    # the kernels this machine measures (the suite's default is the eager ones, conftest.py): the
-    # bf16 noise, and so the outright matches counted below, depend on which kernel rounds; the
-    # decode graph stays eager (its compile is tested elsewhere: ~2 minutes of this test on a cold cache)
-    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "measure")
-    # all of them: with a start's budget (20 s) spent, the rest run eager kernels, none of the batch of
-    # four matched outright on an AVX2-only CPU, and `same >= 1` below failed
-    monkeypatch.setenv("MIXSERVE_KERNEL_BUDGET", "inf")
-    monkeypatch.setenv("MIXSERVE_KERNEL_CACHE", str(tmp_path / "choices.json"))  # kept from the rest of the suite
+    # fixed kernels, none timed (issue 32: timing every bf16 kernel took ~20 of this test's 49 s): the
+    # paged decode kernel, plain F.linear, no decode graph (its compile is tested elsewhere). With the
+    # eager kernels everywhere (SDPA decode attention) none of the batch of four matched outright on an
+    # AVX2-only CPU (a spent timing budget) and `same >= 1` below failed; with these kernels one does there (2026-12-05)
+    monkeypatch.setenv("MIXSERVE_KERNEL_TIMING", "prior")
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
-              batch_invariant=invariant, kernels="decode_graph=eager")
+              batch_invariant=invariant, kernels="decode_graph=eager,decode_attention=paged")
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def run(mode, ps):
