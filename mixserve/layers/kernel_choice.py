@@ -353,7 +353,7 @@ class KernelChooser:
                     len(candidates), self.path, budget)
         # a timing that raises propagates before anything is written; one that came out NaN is left
         # out, and the choice is not cached: a failed measurement is never remembered (issue 46)
-        t0 = time.perf_counter()
+        t0, ticks0 = time.perf_counter(), cpu_ticks()
         try:
             timings = {name: float(fn()) for name, fn in candidates.items()}
         finally:
@@ -361,7 +361,14 @@ class KernelChooser:
             startup.add("kernel timing", dt)
             if not key.startswith(UNBUDGETED):
                 self.spent_s += dt
-        return self.record(key, timings, eager)
+        # hw probe's load check, per measurement: timings taken while other processes ran are
+        # inflated unevenly (each candidate met a different share of their work), so the choice
+        # serves this process and is timed again next start, never cached
+        others = other_cores(ticks0, cpu_ticks())
+        busy = None
+        if others is not None and others > BUSY_CORES:
+            busy = f"other processes used {others:.1f} cores while it was timed"
+        return self.record(key, timings, eager, uncached=busy)
 
     def known(self, key: str, candidates: dict) -> str | None:
         """`key`'s choice where an override or the cache decides it (then taken as `choose` would
@@ -375,10 +382,12 @@ class KernelChooser:
             return self.choose(key, candidates, next(iter(candidates)))
         return None
 
-    def record(self, key: str, timings: dict[str, float], eager: str, source: str = "measured") -> str:
+    def record(self, key: str, timings: dict[str, float], eager: str, source: str = "measured",
+               uncached: str | None = None) -> str:
         """Decide `key` from `timings` (name -> seconds per call, however measured) by the rule
         `choose` applies (the fastest, unless it beats `eager` by less than MARGIN), remember it
-        and cache it. A NaN timing is left out and nothing is cached. Returns the choice.
+        and cache it. A NaN timing is left out and nothing is cached; nor is anything where
+        `uncached` gives a reason. Returns the choice.
         Raises RuntimeError when every timing is NaN."""
         failed = [name for name, t in timings.items() if math.isnan(t)]
         timings = {name: t for name, t in timings.items() if name not in failed}
@@ -388,9 +397,10 @@ class KernelChooser:
         if best != eager and eager in timings and timings[best] > (1 - MARGIN) * timings[eager]:
             best = eager
         if failed:
-            log.warning("kernels: %s: %s timed as NaN; using %s for this process, not cached",
-                        key, ", ".join(failed), best)
-            self.choices[key] = Choice(key, best, f"{source}, not cached", timings)
+            uncached = f"{', '.join(failed)} timed as NaN"
+        if uncached:
+            log.warning("kernels: %s: %s; using %s for this process, not cached", key, uncached, best)
+            self.choices[key] = Choice(key, best, f"{source}, not cached: {uncached}", timings)
             return best
         self.choices[key] = choice = Choice(key, best, source, timings)
         self._write(key, choice)
@@ -403,6 +413,38 @@ class KernelChooser:
             t = ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in c.timings.items())
             lines.append(f"{c.key}: {c.name} ({c.source}{'; ' + t if t else ''})")
         return lines
+
+
+BUSY_CORES = 0.5  # other processes' CPU use (in cores) above which a timing is not cached
+
+
+def cpu_ticks() -> tuple[int, int, int] | None:
+    """(busy ticks of all CPUs, all ticks of all CPUs, this process's ticks), in clock ticks
+    (USER_HZ), from /proc/stat and /proc/self/stat (proc(5)); None where they cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            # after the command name, which may hold spaces: field 14 (utime) and 15 (stime)
+            rest = f.read().rsplit(")", 1)[1].split()
+        own = int(rest[11]) + int(rest[12])
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return total - idle, total, own
+
+
+def other_cores(before, after) -> float | None:
+    """Cores' worth of CPU time that processes other than this one used between two `cpu_ticks()`;
+    None where either is None or under 0.2 s passed (a few ticks say nothing)."""
+    if before is None or after is None:
+        return None
+    busy, total, own = (a - b for a, b in zip(after, before))
+    cpus = os.cpu_count() or 1
+    if total < 0.2 * os.sysconf("SC_CLK_TCK") * cpus:
+        return None
+    return max(0.0, busy - own) / (total / cpus)
 
 
 def rotating_copies(make: Callable[[], object], nbytes: int, max_copies: int = 512) -> list:

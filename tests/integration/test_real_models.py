@@ -63,7 +63,8 @@ def test_smollm2_fast_path_equals_eager(smol, smollm2_path, fast, tmp_path):
                       gguf_weights="dequantize")
         finally:
             mp.undo()
-        assert any(c.source in ("measured", "cache") for c in llm.engine.kernels.choices.values())
+        # "measured, not cached: ..." where another process ran meanwhile (the load check)
+        assert any(c.source.startswith("measured") or c.source == "cache" for c in llm.engine.kernels.choices.values())
     else:
         llm = LLM(smollm2_path, dtype="float32", kv_cache_memory="128MiB", progress=False, kernels=fast,
                   gguf_weights="dequantize")

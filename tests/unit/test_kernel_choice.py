@@ -21,6 +21,35 @@ def stub(seconds, calls):
     return t
 
 
+def test_a_timing_taken_while_other_processes_ran_is_not_cached(tmp_path, monkeypatch):
+    """hw probe's load check guards each measurement (issue 32): where other processes used more
+    than BUSY_CORES while a key was timed (read from /proc/stat and /proc/self/stat), its choice
+    serves this process only, and the next start times it again; a quiet timing is cached."""
+    import os
+
+    import mixserve.layers.kernel_choice as kc
+
+    cpus = os.cpu_count() or 1
+    tick = os.sysconf("SC_CLK_TCK")
+    # one second of the machine: every CPU busy with another process's work; then only this one's
+    samples = iter([(0, 0, 0), (tick * cpus, tick * cpus, 0), (0, 0, 0), (tick, tick * cpus, tick)])
+    monkeypatch.setattr(kc, "cpu_ticks", lambda: next(samples))
+    path = tmp_path / "choices.json"
+    calls = []
+    c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
+    pick = c.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain")
+    assert pick == "onednn" and not path.exists()
+    src = c.choices["dense_linear/x"].source
+    assert src.startswith("measured, not cached") and f"used {cpus:.1f} cores" in src
+    # the same timing with nothing else running (this process the only busy one) is cached
+    c2 = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
+    assert c2.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
+    assert c2.choices["dense_linear/x"].source == "measured" and path.exists() and len(calls) == 4
+    # the reading itself: this process's own work is not another's
+    a = kc.other_cores((0, 0, 0), (tick * cpus, tick * cpus, tick * cpus))
+    assert a == 0.0 and kc.other_cores(None, (1, 2, 3)) is None and kc.other_cores((0, 0, 0), (1, 1, 0)) is None
+
+
 def test_faster_candidate_chosen_and_cached(tmp_path):
     path = tmp_path / "choices.json"
     calls = []
