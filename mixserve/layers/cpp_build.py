@@ -181,7 +181,8 @@ static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float*
     for (int i = 0; i < B; ++i) {
       const float qi = std::nearbyint(xc[i] * inv);
       q[c * B + i] = (int8_t)qi;
-      if (rest) rest[c * B + i] = xc[i] - qi * dc;
+      // one rounding, written out: whether a compiler contracts x - q * d depends on its flags and ISA
+      if (rest) rest[c * B + i] = std::fma(-qi, dc, xc[i]);
     }
   }
 }

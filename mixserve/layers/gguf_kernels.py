@@ -47,6 +47,23 @@ _SRC = r"""
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GGUF_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_AVX2 1
+#endif
+#if defined(GGUF_VNNI) || defined(GGUF_AVX2)
+#define GGUF_NATIVE 1
+#endif
+
+#ifdef GGUF_NATIVE
+// The float order every variant shares (so that they give the same bits): per 16-group block, lane l
+// (group 16b + l) does acc_l = fma(float(isum_l), s_l * dx_l, fma(m_l, xs_l, acc_l)); a row's result
+// is then the 16 lanes summed as h_i = acc_i + acc_(i+8), q_i = h_i + h_(i+4), s_i = q_i + q_(i+2),
+// s_0 + s_1 (GCC's _mm512_reduce_add_ps, written out so that no compiler reorders it).
+static inline float sum8_tree(__m256 h) {
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 s = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
 #endif
 
 struct Layout {
@@ -82,6 +99,11 @@ static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch:
 }
 
 #ifdef GGUF_VNNI
+static inline float sum16(__m512 v) {
+  return sum8_tree(_mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
 static inline __m512 halves16(const at::Half* p, __mmask16 k) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
 }
@@ -210,8 +232,8 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
         }
       }
       for (int r = 0; r < R; ++r) {
-        y[r * ystride + n] = _mm512_reduce_add_ps(acc0[r]);
-        if (nn > 1) y[r * ystride + n + 1] = _mm512_reduce_add_ps(acc1[r]);
+        y[r * ystride + n] = sum16(acc0[r]);
+        if (nn > 1) y[r * ystride + n + 1] = sum16(acc1[r]);
       }
     }
   });
@@ -235,11 +257,224 @@ static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const
 }
 #endif
 
+#ifdef GGUF_AVX2
+// The same layout and the same float order on AVX2 (issue 43): a 64-byte step vector is two 32-byte
+// halves (lanes 0-7 and 8-15), and vpmaddubsw + vpmaddwd stand in for vpdpbusd. Their int16 pair
+// sums stay below 32,767 for q < 64 and |x| <= 127; Q8_0's unsigned q (up to 255) would not, so it
+// runs as (q - 128) * x through the sign trick (|q - 128| * sign(x)), and 128 * sum(x) is added back
+// in int32: the group sums are the VNNI kernel's integers exactly.
+static inline __m256 halves8(const at::Half* p, int64_t cnt) {  // p[0, cnt) of 8, zero past
+  if (cnt >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  alignas(16) uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (cnt > 0) std::memcpy(t, p, 2 * cnt);
+  return _mm256_cvtph_ps(_mm_load_si128((const __m128i*)t));
+}
+
+static inline __m256 half1(const at::Half* p) {  // one half-precision value in every lane
+  return _mm256_cvtph_ps(_mm_set1_epi16((short)p->x));
+}
+
+template <bool SIGNED>
+static inline __m256 bytes8(const void* p, int64_t cnt) {  // 8 (u)int8 as floats, zero past cnt
+  int64_t u = 0;
+  if (cnt > 0) std::memcpy(&u, p, std::min<int64_t>(8, cnt));
+  const __m128i v = _mm_cvtsi64_si128(u);
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+// the VNNI kernel's block_scales, lane for lane, as two halves
+static inline void block_scales2(const Layout& L, int64_t n, int64_t b, __m256* sv, __m256* mv) {
+  const int64_t g0 = 16 * b, cnt = std::min<int64_t>(16, L.ng - g0), ns = L.K / L.S, gps = L.S / L.G;
+  const at::Half* d = L.d + n * ns;
+  if (gps == 1) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = std::max<int64_t>(0, std::min<int64_t>(8, cnt - 8 * h));
+      sv[h] = c ? halves8(d + g0 + 8 * h, c) : _mm256_setzero_ps();
+      mv[h] = !L.dm ? _mm256_mul_ps(sv[h], _mm256_set1_ps(-L.z))
+                    : c ? halves8(L.dm + n * ns + g0 + 8 * h, c) : _mm256_setzero_ps();
+    }
+    return;
+  }
+  // K-quants: lanes 0-7 take super-block sb's d; lanes 8-15 sb + 1's where a super-block has 8
+  // groups (zero where the block has no second), else sb's
+  const int64_t sb = g0 / gps, nsb = std::min<int64_t>((cnt + gps - 1) / gps, ns - sb);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t j = gps == 8 ? h : 0, c = cnt - 8 * h;
+    const __m256 dv = j < nsb ? half1(d + sb + j) : _mm256_setzero_ps();
+    sv[h] = _mm256_mul_ps(dv, bytes8<true>(L.sc + n * L.ng + g0 + 8 * h, c));
+    if (L.mn) {
+      const __m256 dmv = j < nsb ? half1(L.dm + n * ns + sb + j) : _mm256_setzero_ps();
+      mv[h] = _mm256_mul_ps(dmv, bytes8<false>(L.mn + n * L.ng + g0 + 8 * h, c));
+    } else {
+      mv[h] = _mm256_mul_ps(sv[h], _mm256_set1_ps(-L.z));
+    }
+  }
+}
+
+static inline __m256i load_half(const uint8_t* p, int64_t t, int h) {  // half h of a step of t groups (4t bytes)
+  if (t == 16) return _mm256_loadu_si256((const __m256i*)(p + 32 * h));
+  alignas(32) uint8_t buf[32] = {0};
+  const int64_t c = std::max<int64_t>(0, std::min<int64_t>(32, 4 * t - 32 * h));
+  if (c > 0) std::memcpy(buf, p + 32 * h, c);
+  return _mm256_load_si256((const __m256i*)buf);
+}
+
+static inline __m256i mask_bytes(const uint8_t* word, int h) {  // bits 32h .. 32h + 31 of a 64-bit mask -> 0xFF bytes
+  uint32_t m;
+  std::memcpy(&m, word + 4 * h, 4);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// half h of steps p and p + G/8 of row n's block b (unpack's bytes 32h .. 32h + 31)
+template <int G, int HB>
+static inline void unpack2(const Layout& L, int64_t n, int64_t b, int64_t p, int64_t t, int h, __m256i& qa, __m256i& qb) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t off = b * 8 * G + p * 4 * t;
+  const __m256i v = load_half(L.lo + n * (L.K / 2) + off, t, h);
+  qa = _mm256_and_si256(v, low);
+  qb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (HB == 4) {
+    const __m256i hh = load_half(L.hi + n * (L.K / 2) + off, t, h);
+    const __m256i top = _mm256_set1_epi8((char)0xF0);
+    qa = _mm256_or_si256(qa, _mm256_and_si256(_mm256_slli_epi16(hh, 4), top));
+    qb = _mm256_or_si256(qb, _mm256_and_si256(hh, top));
+  } else if constexpr (HB > 0) {
+    const uint8_t* hp = L.hi + n * L.hib + b * (G / 4) * HB * 8;
+    for (int k = 0; k < HB; ++k) {
+      const __m256i bit = _mm256_set1_epi8((char)(16 << k));
+      qa = _mm256_or_si256(qa, _mm256_and_si256(mask_bytes(hp + (p * HB + k) * 8, h), bit));
+      qb = _mm256_or_si256(qb, _mm256_and_si256(mask_bytes(hp + ((p + G / 8) * HB + k) * 8, h), bit));
+    }
+  }
+}
+
+// per 32-bit lane, the sum of its four q * x products (vpdpbusd's integers)
+template <int HB>
+static inline __m256i dot4(__m256i q, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (HB == 4) {  // (q - 128) * x: |q - 128| <= 128 and |x| <= 127 keep the pair sums in int16
+    const __m256i s = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+  }
+}
+
+// `run` on AVX2: dxf, xsf float [R, nb, 16] and xsi int32 [R, nb, 16] (per group lane: the
+// activation scale, dx * sum(xq), sum(xq))
+template <int R, int G, int HB>
+static void run2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi, float* y,
+                 int64_t ystride, int64_t PF) {
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
+  at::parallel_for(0, (N + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t n = 2 * pr, nn = std::min<int64_t>(2, N - n), n1 = nn > 1 ? n + 1 : n;
+      __m256 acc0[R][2], acc1[R][2];
+      for (int r = 0; r < R; ++r) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        __m256 sv0[2], mv0[2], sv1[2], mv1[2];
+        block_scales2(L, n, b, sv0, mv0);
+        block_scales2(L, n1, b, sv1, mv1);
+        for (int h = 0; h < 2; ++h) {
+          if (16 * b + 8 * h >= L.ng) break;  // a tail block's empty half: its lanes add zeros
+          __m256i i0[R], i1[R];
+          for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
+          for (int64_t p = 0; p < G / 8; ++p) {
+            const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
+            if (PF && h == 0) {
+              _mm_prefetch((const char*)(L.lo + ahead * (L.K / 2) + off), _MM_HINT_T0);
+              _mm_prefetch((const char*)(L.lo + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
+              if constexpr (HB == 4) {
+                _mm_prefetch((const char*)(L.hi + ahead * (L.K / 2) + off), _MM_HINT_T0);
+                _mm_prefetch((const char*)(L.hi + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
+              } else if constexpr (HB > 0) {
+                if (p == 0) {
+                  _mm_prefetch((const char*)(L.hi + ahead * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
+                  _mm_prefetch((const char*)(L.hi + (ahead + 1) * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
+                }
+              }
+            }
+            __m256i qa0, qb0, qa1, qb1;
+            unpack2<G, HB>(L, n, b, p, t, h, qa0, qb0);
+            unpack2<G, HB>(L, n1, b, p, t, h, qa1, qb1);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = xp + r * xrow + b * 16 * G + 32 * h;
+              const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
+              const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
+              i0[r] = _mm256_add_epi32(i0[r], _mm256_add_epi32(dot4<HB>(qa0, xa), dot4<HB>(qb0, xb)));
+              i1[r] = _mm256_add_epi32(i1[r], _mm256_add_epi32(dot4<HB>(qa1, xa), dot4<HB>(qb1, xb)));
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const int64_t at = (r * nb + b) * 16 + 8 * h;
+            if constexpr (HB == 4) {  // 128 * sum(x): the offset the sign trick took out
+              const __m256i back = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(xsi + at)), 7);
+              i0[r] = _mm256_add_epi32(i0[r], back);
+              i1[r] = _mm256_add_epi32(i1[r], back);
+            }
+            const __m256 dx = _mm256_loadu_ps(dxf + at), xs = _mm256_loadu_ps(xsf + at);
+            acc0[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(sv0[h], dx),
+                                         _mm256_fmadd_ps(mv0[h], xs, acc0[r][h]));
+            acc1[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(sv1[h], dx),
+                                         _mm256_fmadd_ps(mv1[h], xs, acc1[r][h]));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        y[r * ystride + n] = sum8_tree(_mm256_add_ps(acc0[r][0], acc0[r][1]));
+        if (nn > 1) y[r * ystride + n + 1] = sum8_tree(_mm256_add_ps(acc1[r][0], acc1[r][1]));
+      }
+    }
+  });
+}
+
+template <int G, int HB>
+static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
+                      float* y, int64_t RQ, int64_t PF) {
+  const int64_t xrow = L.nb * 16 * G, v = L.nb * 16;
+  for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, RQ - r0);
+    const int8_t* a = xp + r0 * xrow;
+    const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
+    float* o = y + r0 * L.N;
+    switch (rr) {
+      case 1: run2<1, G, HB>(L, a, b, c, e, o, L.N, PF); break;
+      case 2: run2<2, G, HB>(L, a, b, c, e, o, L.N, PF); break;
+      case 3: run2<3, G, HB>(L, a, b, c, e, o, L.N, PF); break;
+      default: run2<4, G, HB>(L, a, b, c, e, o, L.N, PF); break;
+    }
+  }
+}
+
+static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
+  __m256i u = _mm256_castps_si256(v);
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  u = _mm256_srli_epi32(u, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+#endif
+
 bool available() {
-#ifdef GGUF_VNNI
+#ifdef GGUF_NATIVE
   return true;
 #else
   return false;
+#endif
+}
+
+// which variant this build holds: 2 AVX512-VNNI, 1 AVX2, 0 none
+int64_t isa_level() {
+#if defined(GGUF_VNNI)
+  return 2;
+#elif defined(GGUF_AVX2)
+  return 1;
+#else
+  return 0;
 #endif
 }
 
@@ -255,12 +490,13 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
   const int64_t R = x.size(0), K = L.K, nb = L.nb, RQ = levels * R, xrow = nb * 16 * G;
   auto y = torch::empty({RQ, L.N}, x.options());
-#ifdef GGUF_VNNI
+#ifdef GGUF_NATIVE
   const float* xsrc = x.data_ptr<float>();
   std::vector<int8_t> xq(K), xp(RQ * xrow, 0);
   std::vector<float> dx(K / 32), rest(2 * K);
-  std::vector<__m512> dxv(RQ * nb), xsv(RQ * nb);
-  alignas(64) float dl[16], sl[16];
+  // per row, block and group lane: the activation scale, dx * sum(xq) and sum(xq)
+  std::vector<float> dxf(RQ * nb * 16, 0.f), xsf(RQ * nb * 16, 0.f);
+  std::vector<int32_t> xsi(RQ * nb * 16, 0);
   for (int64_t r = 0; r < R; ++r) {
     const float* src = xsrc + r * K;
     for (int64_t i = 0; i < levels; ++i) {
@@ -271,8 +507,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
       int8_t* out = xp.data() + row * xrow;
       for (int64_t b = 0; b < nb; ++b) {
         for (int l = 0; l < 16; ++l) {
-          const int64_t g = 16 * b + l;
-          dl[l] = sl[l] = 0.f;
+          const int64_t g = 16 * b + l, at = (row * nb + b) * 16 + l;
           if (g >= L.ng) continue;
           int32_t sum = 0;
           for (int64_t c = 0; c < G; ++c) {  // channel c of group g -> step c / 4, lane l, byte c % 4
@@ -280,22 +515,30 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
             out[b * 16 * G + (c / 4) * 64 + 4 * l + (c % 4)] = v;
             sum += v;
           }
-          dl[l] = dx[g * G / 32];
-          sl[l] = dl[l] * (float)sum;
+          dxf[at] = dx[g * G / 32];
+          xsf[at] = dxf[at] * (float)sum;
+          xsi[at] = sum;
         }
-        dxv[row * nb + b] = _mm512_load_ps(dl);
-        xsv[row * nb + b] = _mm512_load_ps(sl);
       }
     }
   }
   float* yp = y.data_ptr<float>();
+#ifdef GGUF_VNNI
+  std::vector<__m512> dxv(RQ * nb), xsv(RQ * nb);
+  for (int64_t i = 0; i < RQ * nb; ++i) {
+    dxv[i] = _mm512_loadu_ps(dxf.data() + 16 * i);
+    xsv[i] = _mm512_loadu_ps(xsf.data() + 16 * i);
+  }
 #define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xp.data(), dxv.data(), xsv.data(), yp, RQ, prefetch); } else
+#else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xp.data(), dxf.data(), xsf.data(), xsi.data(), yp, RQ, prefetch); } else
+#endif
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 2) GGUF_CASE(32, 4)
   GGUF_CASE(16, 0) GGUF_CASE(16, 1) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
   { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
 #undef GGUF_CASE
 #else
-  TORCH_CHECK(false, "gguf matmul: built without AVX512-VNNI");
+  TORCH_CHECK(false, "gguf matmul: built without AVX2 or AVX512-VNNI");
 #endif
   return levels > 1 ? y.view({R, levels, L.N}).sum(1) : y;
 }
@@ -304,6 +547,40 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
 // bfloat16, w = fma(q, s_g, m_g)
 template <int G, int HB, typename O>
 static void dequant_impl(const Layout& L, const int64_t* rows, int64_t M, O* out) {
+#ifdef GGUF_AVX2
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    alignas(64) uint8_t st[16 * G], nat[16 * G];
+    alignas(64) float s[16], m[16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = rows ? rows[i] : i;
+      O* o = out + i * L.K;
+      for (int64_t b = 0; b < L.nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        for (int64_t p = 0; p < G / 8; ++p)
+          for (int h = 0; h < 2; ++h) {
+            __m256i qa, qb;
+            unpack2<G, HB>(L, n, b, p, t, h, qa, qb);
+            _mm256_store_si256((__m256i*)(st + p * 64 + 32 * h), qa);
+            _mm256_store_si256((__m256i*)(st + (p + G / 8) * 64 + 32 * h), qb);
+          }
+        for (int64_t l = 0; l < t; ++l)  // step-major words -> group-major
+          for (int64_t c = 0; c < G / 4; ++c) std::memcpy(nat + l * G + 4 * c, st + c * 64 + 4 * l, 4);
+        __m256 sv[2], mv[2];
+        block_scales2(L, n, b, sv, mv);
+        _mm256_store_ps(s, sv[0]); _mm256_store_ps(s + 8, sv[1]);
+        _mm256_store_ps(m, mv[0]); _mm256_store_ps(m + 8, mv[1]);
+        for (int64_t u = 0; u < t * G / 8; ++u) {
+          const int64_t g = u * 8 / G;
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(nat + 8 * u))));
+          const __m256 w = _mm256_fmadd_ps(f, _mm256_set1_ps(s[g]), _mm256_set1_ps(m[g]));
+          O* dst = o + b * 16 * G + 8 * u;
+          if constexpr (std::is_same<O, float>::value) _mm256_storeu_ps(dst, w);
+          else _mm_storeu_si128((__m128i*)dst, to_bf16_8(w));
+        }
+      }
+    }
+  });
+#endif
 #ifdef GGUF_VNNI
   at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
     alignas(64) uint8_t st[16 * G], nat[16 * G];
@@ -352,8 +629,8 @@ static void dequant_any(const Layout& L, const int64_t* rows, int64_t M, O* out)
 void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc, torch::Tensor dm,
              torch::Tensor mn, int64_t G, int64_t S, int64_t HB, double z, torch::Tensor rows, bool all_rows,
              torch::Tensor out) {
-#ifndef GGUF_VNNI
-  TORCH_CHECK(false, "gguf dequantize: built without AVX512-VNNI");
+#ifndef GGUF_NATIVE
+  TORCH_CHECK(false, "gguf dequantize: built without AVX2 or AVX512-VNNI");
 #endif
   const Layout L = layout(lo, hi, d, sc, dm, mn, G, S, HB, z);
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(1) == L.K, "gguf dequantize: out [M, K] contiguous");
@@ -381,12 +658,21 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
 """.replace("@QUANTIZE_ROW@", QUANTIZE_ROW_SRC)
 
 _state: dict = {}
-NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # the kernel's instructions, as /proc/cpuinfo names them
+# the least the kernel needs (its AVX2 variant), as /proc/cpuinfo names them; AVX512-VNNI and
+# AVX512-BW, where -march=native turns them on, build the VNNI variant instead
+NEEDS = frozenset({"avx2", "fma", "f16c"})
+ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 
 
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
-    return build_extension("mixserve_gguf_v4", _SRC, ["available"], needs=NEEDS)
+    return build_extension("mixserve_gguf_v5", _SRC, ["available", "isa_level"], needs=NEEDS)
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernel runs ("avx512-vnni" or "avx2"); None where there is none."""
+    mod = _load()
+    return ISA_NAMES.get(int(mod.isa_level())) if mod is not None else None
 
 
 def _load():
@@ -403,5 +689,5 @@ def _load():
 
 
 def available() -> bool:
-    """True where the kernel builds for this CPU (AVX512-VNNI and AVX512-BW) and loads."""
+    """True where the kernel builds for this CPU (AVX2, FMA and F16C at least) and loads."""
     return _load() is not None

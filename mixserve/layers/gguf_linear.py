@@ -87,7 +87,7 @@ class GGUFWeight:
 
     def __init__(self, qtype: str, n: int, k: int, tensors: dict, group: int, superblock: int, hb: int, zero: int):
         if not gguf_kernels.available():  # registers the ops the methods call
-            raise RuntimeError("the native GGUF kernel is not available on this machine (needs AVX512-VNNI and "
+            raise RuntimeError("the native GGUF kernel is not available on this machine (needs AVX2, FMA and F16C, and "
                                "a C++ compiler); load with gguf_weights='dequantize'")
         self.qtype, self.out_features, self.in_features = qtype, n, k
         self.group, self.superblock, self.hb, self.zero = group, superblock, hb, zero

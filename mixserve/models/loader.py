@@ -49,7 +49,7 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
                              "weights; use --gguf-weights dequantize")
         if not gguf_kernels.available():
             raise ValueError("gguf_weights native: the native GGUF kernel is not available on this machine "
-                             "(it needs AVX512-VNNI and a C++ compiler); use --gguf-weights dequantize")
+                             "(it needs AVX2, FMA and F16C, and a C++ compiler); use --gguf-weights dequantize")
         return True
     return quantization is None and gguf_kernels.available()
 
