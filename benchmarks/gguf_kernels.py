@@ -1,11 +1,11 @@
-"""The native GGUF kernel against the int4 x int8 VNNI kernel (RTN g128) on the models' own tensors.
+"""The native GGUF kernel against the int4 x int8 VNNI kernel (RTN g128) and float32 on the models' own tensors.
 
 For each (model, tensor kind, GGUF type) of --models, one real tensor from the file is repacked into
 the native layout (layers/gguf_linear.py), given the prefetch distance the engine picks here, and timed
 as the kernel chooser times (copies rotating past the last-level cache, median of passes) at 1, 2, 4
 and 8 rows, the native kernel at every row count, with the int4 x int8 VNNI kernel
-(layers/int4_vnni.py, RTN group 128 on the same shape) beside it. GB/s = resident weight bytes per
-call / seconds.
+(layers/int4_vnni.py, RTN group 128 on the same shape, where the CPU has it) and a float32 nn.Linear
+(the dequantized load's) beside it. GB/s = resident weight bytes per call / seconds.
 
     flock /tmp/heavy.lock python benchmarks/gguf_kernels.py --models qwen2.5-coder-1.5b-instruct
 """
@@ -36,7 +36,8 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(2)
     print(json.dumps(machine_info()))
-    assert gguf_kernels.available(), "the native kernel needs AVX512-VNNI"
+    assert gguf_kernels.available(), "the native kernel needs AVX2, FMA and F16C (or AVX512-VNNI)"
+    print(f"native kernel variant: {gguf_kernels.isa()}")
     results = []
     chooser = KernelChooser()
     for model in a.models.split(","):
@@ -69,7 +70,16 @@ def main():
                     row[f"int4_ms_{r}"] = 1e3 * time_calls(i4, lambda m: m(x))
                 row["int4_bytes"] = i4[0].weight_bytes()
                 del i4
+            # the dequantized load's float32 linear on the same shape (what a CPU without the native
+            # kernel ran before its AVX2 variant, issue 43)
+            f32 = rotating_copies(lambda: torch.nn.Linear(k, n, bias=False), n * k * 4)
+            for r in ROWS:
+                x = torch.randn(r, k)
+                with torch.inference_mode():
+                    row[f"f32_ms_{r}"] = 1e3 * time_calls(f32, lambda m: m(x))
+            del f32
             row["native_GBps_1"] = row["bytes"] / row["native_ms_1"] / 1e6
+            row["f32_over_native_1"] = row["f32_ms_1"] / row["native_ms_1"]
             if "int4_ms_1" in row:
                 row["int4_GBps_1"] = row["int4_bytes"] / row["int4_ms_1"] / 1e6
             print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)

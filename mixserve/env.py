@@ -290,3 +290,16 @@ def machine_info() -> dict:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def forced_isa() -> str | None:
+    """$MIXSERVE_ISA: "avx2" runs the AVX2 variants of mixserve's kernels (the native GGUF kernel's
+    build of its own) and caps oneDNN at AVX2 (kernel_choice.cap_isa) on a CPU with AVX-512 too, so
+    that any machine can test that path (issue 43); unset or "native": the best the CPU has.
+    Raises ValueError for another value."""
+    v = os.environ.get("MIXSERVE_ISA", "").strip().lower()
+    if v in ("", "native"):
+        return None
+    if v != "avx2":
+        raise ValueError(f"MIXSERVE_ISA (environment): avx2 or native (got {v!r})")
+    return v

@@ -17,7 +17,7 @@ from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.env import unkept
 from mixserve.kv.block_manager import BlockManager
-from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_threads,
+from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_isa, cap_threads,
                                            parse_overrides)
 from mixserve.kv.contiguous import ContiguousBlockManager
 from mixserve.layers import batch_invariance, gguf_linear
@@ -105,7 +105,8 @@ class LLMEngine:
         self.dtype = parse_dtype(args.dtype, self.device)
         cap_threads()
         bound_primitive_caches()  # before any oneDNN call, as amx_permitted below
-        self.amx = amx_permitted()  # before any oneDNN call: caps its ISA where AMX is refused
+        # $MIXSERVE_ISA=avx2: oneDNN capped at AVX2, and so no AMX
+        self.amx = amx_permitted() if cap_isa() is None else False
         self.kernels = KernelChooser(overrides=None if args.kernels == "auto" else parse_overrides(args.kernels))
         if loaded is None and self.device.type == "cpu":
             _build_kernels_in_background(args)

@@ -31,7 +31,8 @@ _guard = threading.Lock()
 _FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
-def build_extension(name: str, source: str, functions: list[str], needs: frozenset[str] = frozenset()):
+def build_extension(name: str, source: str, functions: list[str], needs: frozenset[str] = frozenset(),
+                    extra_flags: tuple[str, ...] = ()):
     """The compiled module `name` (its C++ `source` exporting `functions`), or None where it cannot
     be built. The build folder is keyed by the CPU's model and instruction set (-march=native code
     is not portable: two machines named "AMD EPYC" differ in AVX-512) and by a hash of the source,
@@ -47,7 +48,7 @@ def build_extension(name: str, source: str, functions: list[str], needs: frozens
         lock = _building.setdefault(name, threading.Lock())
     with lock:
         if name not in _built:
-            _built[name] = _build_or_load(name, source, functions, needs)
+            _built[name] = _build_or_load(name, source, functions, needs, extra_flags)
     return _built[name]
 
 
@@ -69,7 +70,7 @@ def build_in_background(loaders) -> threading.Thread:
     return t
 
 
-def _build_or_load(name: str, source: str, functions: list[str], needs: frozenset[str]):
+def _build_or_load(name: str, source: str, functions: list[str], needs: frozenset[str], extra: tuple[str, ...] = ()):
     flags = cpu_flags()
     if needs and flags and not set(needs) <= flags:
         # a CPU without them (/proc/cpuinfo's names): no ~20 s build only to learn the kernel cannot
@@ -80,19 +81,19 @@ def _build_or_load(name: str, source: str, functions: list[str], needs: frozense
     t0 = time.perf_counter()
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
-        digest = hashlib.sha256((_lite_source(name, source, functions) + repr(_FLAGS)).encode()).hexdigest()[:12]
+        digest = hashlib.sha256((_lite_source(name, source, functions) + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
         build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{name}-{digest}"
         try:
             mod = _import_built(name, build / f"{name}.so", functions)
             if mod is None:
                 try:
-                    mod = _build(name, source, functions, build)
+                    mod = _build(name, source, functions, build, extra)
                 except Exception as e:  # noqa: BLE001 -- OSError, or another carrying the OS's (cannot_write)
                     if not cannot_write(e):
                         raise
                     # a read-only or full cache root: built for this process only
                     note_unkept(f"C++ kernel {name}", f"{build.parent}: {getattr(e, 'strerror', None) or e}")
-                    mod = _build(name, source, functions, scratch_dir() / "kernels" / build.name)
+                    mod = _build(name, source, functions, scratch_dir() / "kernels" / build.name, extra)
         except Exception as e:  # no compiler, no headers: the eager path still works
             log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
             mod = None
@@ -135,7 +136,7 @@ class _Ops:
             setattr(self, f, getattr(ns, f))
 
 
-def _build(name: str, source: str, functions: list[str], build):
+def _build(name: str, source: str, functions: list[str], build, extra: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline
 
     log.warning("compiling C++ kernel %s (once per machine and source; cached in %s)", name, build.parent)
@@ -145,7 +146,7 @@ def _build(name: str, source: str, functions: list[str], build):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        load_inline(name, cpp_sources=_lite_source(name, source, functions), extra_cflags=list(_FLAGS),
+        load_inline(name, cpp_sources=_lite_source(name, source, functions), extra_cflags=list(_FLAGS + extra),
                     extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False,
                     is_python_module=False, no_implicit_headers=True)
         mod = _Ops(name, functions)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from mixserve.env import forced_isa
 from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
 
 
@@ -311,8 +312,11 @@ static inline void block_scales2(const Layout& L, int64_t n, int64_t b, __m256* 
   }
 }
 
-static inline __m256i load_half(const uint8_t* p, int64_t t, int h) {  // half h of a step of t groups (4t bytes)
-  if (t == 16) return _mm256_loadu_si256((const __m256i*)(p + 32 * h));
+// half h of a step of t groups (4t bytes). A tail step's bytes past 4t belong to the next step or
+// row: they meet zero activations (the activation rows are padded to whole blocks), so only the
+// tensor's last row, where they would lie past its end, copies what it has instead.
+static inline __m256i load_half(const uint8_t* p, int64_t t, int h, bool last) {
+  if (t == 16 || !last) return _mm256_loadu_si256((const __m256i*)(p + 32 * h));
   alignas(32) uint8_t buf[32] = {0};
   const int64_t c = std::max<int64_t>(0, std::min<int64_t>(32, 4 * t - 32 * h));
   if (c > 0) std::memcpy(buf, p + 32 * h, c);
@@ -333,11 +337,12 @@ template <int G, int HB>
 static inline void unpack2(const Layout& L, int64_t n, int64_t b, int64_t p, int64_t t, int h, __m256i& qa, __m256i& qb) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t off = b * 8 * G + p * 4 * t;
-  const __m256i v = load_half(L.lo + n * (L.K / 2) + off, t, h);
+  const bool last = n == L.N - 1;
+  const __m256i v = load_half(L.lo + n * (L.K / 2) + off, t, h, last);
   qa = _mm256_and_si256(v, low);
   qb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
   if constexpr (HB == 4) {
-    const __m256i hh = load_half(L.hi + n * (L.K / 2) + off, t, h);
+    const __m256i hh = load_half(L.hi + n * (L.K / 2) + off, t, h, last);
     const __m256i top = _mm256_set1_epi8((char)0xF0);
     qa = _mm256_or_si256(qa, _mm256_and_si256(_mm256_slli_epi16(hh, 4), top));
     qb = _mm256_or_si256(qb, _mm256_and_si256(hh, top));
@@ -361,6 +366,28 @@ static inline __m256i dot4(__m256i q, __m256i x) {
   } else {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
   }
+}
+
+// steps p and p + G/8 at once: vpdpbusd's integers for both, summed. Below 8 bits two vpmaddubsw
+// results add in int16 before one vpmaddwd (|sum| <= 4 * 63 * 128 = 32,256 < 32,767): exact.
+template <int HB>
+static inline __m256i dot8(__m256i qa, __m256i xa, __m256i qb, __m256i xb) {
+  if constexpr (HB == 4) {
+    return _mm256_add_epi32(dot4<HB>(qa, xa), dot4<HB>(qb, xb));
+  } else {
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(qa, xa), _mm256_maddubs_epi16(qb, xb)),
+                             _mm256_set1_epi16(1));
+  }
+}
+
+// one block half's float step, the same in every kernel: acc = fma(isum, s * dx, fma(m, xs, acc))
+template <int HB>
+static inline __m256 block_step(__m256i isum, const int32_t* xsi, const float* dxf, const float* xsf, __m256 sv,
+                                __m256 mv, __m256 acc) {
+  if constexpr (HB == 4)  // 128 * sum(x): the offset the sign trick took out
+    isum = _mm256_add_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)xsi), 7));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(sv, _mm256_loadu_ps(dxf)),
+                         _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsf), acc));
 }
 
 // `run` on AVX2: dxf, xsf float [R, nb, 16] and xsi int32 [R, nb, 16] (per group lane: the
@@ -405,22 +432,14 @@ static void run2(const Layout& L, const int8_t* xp, const float* dxf, const floa
               const int8_t* xr = xp + r * xrow + b * 16 * G + 32 * h;
               const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
               const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
-              i0[r] = _mm256_add_epi32(i0[r], _mm256_add_epi32(dot4<HB>(qa0, xa), dot4<HB>(qb0, xb)));
-              i1[r] = _mm256_add_epi32(i1[r], _mm256_add_epi32(dot4<HB>(qa1, xa), dot4<HB>(qb1, xb)));
+              i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
+              i1[r] = _mm256_add_epi32(i1[r], dot8<HB>(qa1, xa, qb1, xb));
             }
           }
           for (int r = 0; r < R; ++r) {
             const int64_t at = (r * nb + b) * 16 + 8 * h;
-            if constexpr (HB == 4) {  // 128 * sum(x): the offset the sign trick took out
-              const __m256i back = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(xsi + at)), 7);
-              i0[r] = _mm256_add_epi32(i0[r], back);
-              i1[r] = _mm256_add_epi32(i1[r], back);
-            }
-            const __m256 dx = _mm256_loadu_ps(dxf + at), xs = _mm256_loadu_ps(xsf + at);
-            acc0[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(sv0[h], dx),
-                                         _mm256_fmadd_ps(mv0[h], xs, acc0[r][h]));
-            acc1[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(sv1[h], dx),
-                                         _mm256_fmadd_ps(mv1[h], xs, acc1[r][h]));
+            acc0[r][h] = block_step<HB>(i0[r], xsi + at, dxf + at, xsf + at, sv0[h], mv0[h], acc0[r][h]);
+            acc1[r][h] = block_step<HB>(i1[r], xsi + at, dxf + at, xsf + at, sv1[h], mv1[h], acc1[r][h]);
           }
         }
       }
@@ -432,9 +451,97 @@ static void run2(const Layout& L, const int8_t* xp, const float* dxf, const floa
   });
 }
 
+// The many-row kernel (issue 43: prefill and wide decode steps): a tile of TW weight rows is
+// unpacked once (U: per row, block, half and step, qa then qb, 32 bytes each; S: per row and block,
+// s and m as two halves each) and every activation row runs against it, four at a time. Each
+// (activation row, weight row) result is made by the same integer sums and the same float steps in
+// the same order as `run2`'s, so a row's output is the same bits at every row count.
+template <int R, int G, int HB>
+static void tile_rows(const Layout& L, const uint8_t* U, const __m256* S, int64_t nw, const int8_t* xp,
+                      const float* dxf, const float* xsf, const int32_t* xsi, float* y, int64_t ystride) {
+  const int64_t nb = L.nb, xrow = nb * 16 * G, urow = nb * 16 * G;
+  for (int64_t i = 0; i < nw; i += 2) {
+    const int64_t j = std::min<int64_t>(i + 1, nw - 1);
+    __m256 acc0[R][2], acc1[R][2];
+    for (int r = 0; r < R; ++r) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256* s0 = S + (i * nb + b) * 4; const __m256* s1 = S + (j * nb + b) * 4;
+      for (int h = 0; h < 2; ++h) {
+        if (16 * b + 8 * h >= L.ng) break;
+        const uint8_t* u0 = U + i * urow + (b * 2 + h) * (G / 8) * 64;
+        const uint8_t* u1 = U + j * urow + (b * 2 + h) * (G / 8) * 64;
+        __m256i i0[R], i1[R];
+        for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int64_t p = 0; p < G / 8; ++p) {
+          const __m256i qa0 = _mm256_loadu_si256((const __m256i*)(u0 + p * 64));
+          const __m256i qb0 = _mm256_loadu_si256((const __m256i*)(u0 + p * 64 + 32));
+          const __m256i qa1 = _mm256_loadu_si256((const __m256i*)(u1 + p * 64));
+          const __m256i qb1 = _mm256_loadu_si256((const __m256i*)(u1 + p * 64 + 32));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = xp + r * xrow + b * 16 * G + 32 * h;
+            const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
+            const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
+            i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
+            i1[r] = _mm256_add_epi32(i1[r], dot8<HB>(qa1, xa, qb1, xb));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (r * nb + b) * 16 + 8 * h;
+          acc0[r][h] = block_step<HB>(i0[r], xsi + at, dxf + at, xsf + at, s0[h], s0[2 + h], acc0[r][h]);
+          acc1[r][h] = block_step<HB>(i1[r], xsi + at, dxf + at, xsf + at, s1[h], s1[2 + h], acc1[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      y[r * ystride + i] = sum8_tree(_mm256_add_ps(acc0[r][0], acc0[r][1]));
+      if (j > i) y[r * ystride + j] = sum8_tree(_mm256_add_ps(acc1[r][0], acc1[r][1]));
+    }
+  }
+}
+
+template <int G, int HB>
+static void run_many2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
+                      float* y, int64_t RQ) {
+  // 16 weight rows a tile: 78 KB unpacked at K = 4864, in L2 beside the activations' four rows
+  constexpr int64_t TW = 16;
+  const int64_t N = L.N, nb = L.nb, urow = nb * 16 * G, xrow = nb * 16 * G, v = nb * 16;
+  at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> U(TW * urow);
+    std::vector<__m256> S(TW * nb * 4);
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t w0 = tile * TW, nw = std::min<int64_t>(TW, N - w0);
+      for (int64_t i = 0; i < nw; ++i)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+          block_scales2(L, w0 + i, b, &S[(i * nb + b) * 4], &S[(i * nb + b) * 4 + 2]);
+          for (int h = 0; h < 2; ++h)
+            for (int64_t p = 0; p < G / 8; ++p) {
+              __m256i qa, qb;
+              unpack2<G, HB>(L, w0 + i, b, p, t, h, qa, qb);
+              uint8_t* u = U.data() + i * urow + ((b * 2 + h) * (G / 8) + p) * 64;
+              _mm256_storeu_si256((__m256i*)u, qa);
+              _mm256_storeu_si256((__m256i*)(u + 32), qb);
+            }
+        }
+      for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
+        const int8_t* a = xp + r0 * xrow;
+        const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
+        float* o = y + r0 * N + w0;
+        switch (std::min<int64_t>(4, RQ - r0)) {
+          case 1: tile_rows<1, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
+          case 2: tile_rows<2, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
+          case 3: tile_rows<3, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
+          default: tile_rows<4, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
+        }
+      }
+    }
+  });
+}
+
 template <int G, int HB>
 static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
                       float* y, int64_t RQ, int64_t PF) {
+  if (RQ > 4) return run_many2<G, HB>(L, xp, dxf, xsf, xsi, y, RQ);
   const int64_t xrow = L.nb * 16 * G, v = L.nb * 16;
   for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, RQ - r0);
@@ -492,12 +599,15 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   auto y = torch::empty({RQ, L.N}, x.options());
 #ifdef GGUF_NATIVE
   const float* xsrc = x.data_ptr<float>();
-  std::vector<int8_t> xq(K), xp(RQ * xrow, 0);
-  std::vector<float> dx(K / 32), rest(2 * K);
+  std::vector<int8_t> xp(RQ * xrow, 0);
   // per row, block and group lane: the activation scale, dx * sum(xq) and sum(xq)
   std::vector<float> dxf(RQ * nb * 16, 0.f), xsf(RQ * nb * 16, 0.f);
   std::vector<int32_t> xsi(RQ * nb * 16, 0);
-  for (int64_t r = 0; r < R; ++r) {
+  // rows are quantized independently: on every thread (a 512-token prefill's rows took ~0.5 s on one)
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  std::vector<int8_t> xq(K);
+  std::vector<float> dx(K / 32), rest(2 * K);
+  for (int64_t r = r0; r < r1; ++r) {
     const float* src = xsrc + r * K;
     for (int64_t i = 0; i < levels; ++i) {
       const int64_t row = levels * r + i;
@@ -522,6 +632,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
       }
     }
   }
+  });
   float* yp = y.data_ptr<float>();
 #ifdef GGUF_VNNI
   std::vector<__m512> dxv(RQ * nb), xsv(RQ * nb);
@@ -666,7 +777,26 @@ ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
+    if forced_isa() == "avx2":  # -march=native less AVX-512: the AVX2 variant, in a build of its own
+        return build_extension("mixserve_gguf_v5_avx2", _SRC, ["available", "isa_level"], needs=NEEDS,
+                               extra_flags=("-mno-avx512f",))
     return build_extension("mixserve_gguf_v5", _SRC, ["available", "isa_level"], needs=NEEDS)
+
+
+def default_native() -> bool:
+    """Whether a GGUF file loads natively when --gguf-weights is not given: where the AVX512-VNNI
+    variant runs. The AVX2 variant (asked for by --gguf-weights native) decodes one stream faster
+    than the float32 dequantized copy but prefills and decodes wide batches slower, with batch
+    invariance's two int8 levels at every row count (BENCHMARKS.md, issue 43)."""
+    return available() and isa() == "avx512-vnni"
+
+
+def why_not_native() -> str:
+    """The start-up line's reason a GGUF file was dequantized by default (default_native false)."""
+    if not available():
+        return "no native kernel here: it needs AVX2, FMA, F16C and a C++ compiler"
+    return (f"the native kernel here is its {isa()} variant, slower than float32 at prefill and wide batches; "
+            "--gguf-weights native runs it")
 
 
 def isa() -> str | None:

@@ -110,6 +110,17 @@ def bound_primitive_caches(capacity: int = PRIMITIVE_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
+def cap_isa() -> str | None:
+    """Apply $MIXSERVE_ISA (env.forced_isa): "avx2" caps oneDNN's GEMMs at AVX2 too
+    (ONEDNN_MAX_CPU_ISA, read at its first call: call this before one). Returns the forced ISA."""
+    from mixserve.env import forced_isa
+
+    isa = forced_isa()
+    if isa == "avx2":
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    return isa
+
+
 def amx_permitted(cpu_flags: str | None = None, request: Callable[[], bool] | None = None) -> bool:
     """True when the CPU has AMX tiles and the kernel granted this process their use (Linux asks
     each process to request the AMX state with arch_prctl; torch._C._cpu._init_amx does it).

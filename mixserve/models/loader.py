@@ -34,8 +34,9 @@ GGUF_WEIGHTS = ("native", "dequantize")
 def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
     """Whether a GGUF file loads with its quantized weights as stored (layers/gguf_linear.py).
 
-    gguf_weights: "native", "dequantize", or None (native where the kernel exists on this machine
-    and no int4 quantization is asked for: RTN and AWQ start from the dequantized weights).
+    gguf_weights: "native", "dequantize", or None (native where the kernel's AVX512-VNNI variant
+    runs on this machine and no int4 quantization is asked for: RTN and AWQ start from the
+    dequantized weights; its AVX2 variant is asked for by "native", gguf_kernels.default_native).
     Raises ValueError for another value, or "native" with quantization or without the kernel."""
     from mixserve.layers import gguf_kernels
 
@@ -51,10 +52,11 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
             raise ValueError("gguf_weights native: the native GGUF kernel is not available on this machine "
                              "(it needs AVX2, FMA and F16C, and a C++ compiler); use --gguf-weights dequantize")
         return True
-    return quantization is None and gguf_kernels.available()
+    return quantization is None and gguf_kernels.default_native()
 
 
 def _load_native_gguf(path, dtype, max_positions, progress):
+    from mixserve.layers import gguf_kernels
     from mixserve.models.weights import gguf_meta_dir, read_gguf_native
 
     def meta():  # the folder (its tokenizer converted once) and the tokenizer, on one thread
@@ -71,7 +73,8 @@ def _load_native_gguf(path, dtype, max_positions, progress):
     parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
     native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
-                           f"int8-activation kernel (layers/gguf_kernels.py), the rest dequantized to {dtype}")
+                           f"int8-activation kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
+                           f"dequantized to {dtype}")
     del weights
     startup.mark("weights")
     folder, tok = tok_later.result()
@@ -155,9 +158,17 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
         raise
+    loaded = sum(t.numel() * t.element_size() for t in weights.values())
     del weights
     kind = "int4 " + quant.method if quant is not None else "dense"
-    model.weight_format = (f"{kind} weights in {dtype}" + (" (dequantized from the GGUF)" if r.kind == "gguf" else ""))
+    model.weight_format = f"{kind} weights in {dtype}"
+    if r.kind == "gguf":
+        from mixserve.layers import gguf_kernels
+
+        # what the choice costs a decode step: every weight byte is read once a token (issue 43)
+        model.weight_format += (f" (dequantized from the GGUF: {loaded / 1e6:,.0f} MB of weights as loaded, against "
+                                f"the file's {Path(r.path).stat().st_size / 1e6:,.0f} MB natively"
+                                f"{'; ' + gguf_kernels.why_not_native() if quantization is None else ''})")
     startup.mark("weights")
     tok = tok_later.result()
     startup.mark("tokenizer")

@@ -29,10 +29,14 @@ def key(out):
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen05"])
 def llm(request):
+    """SmolLM2 (safetensors: the dense path) and the 0.5B GGUF on the native kernel wherever one
+    runs, its AVX2 variant included (which a default start does not choose, issue 43)."""
+    from mixserve.layers import gguf_kernels
     from mixserve.models.registry import pull
 
     name = {"smollm2": "smollm2-135m-instruct", "qwen05": "qwen2.5-coder-0.5b-instruct"}[request.param]
-    return LLM(str(pull(name, progress=False)), **ENGINE)
+    native = {"gguf_weights": "native"} if request.param == "qwen05" and gguf_kernels.available() else {}
+    return LLM(str(pull(name, progress=False)), **ENGINE, **native)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,8 @@ def test_chunked_and_whole_prefill(llm):
     prompt = " ".join(["alpha beta gamma delta"] * 50)
     whole = key(llm.generate([prompt], seeded())[0])
     model = llm.engine.args.model
-    chunked = LLM(model, max_num_batched_tokens=48, enable_prefix_caching=False, **ENGINE)
+    chunked = LLM(model, max_num_batched_tokens=48, enable_prefix_caching=False, **ENGINE,
+                  gguf_weights=llm.engine.args.gguf_weights)
     assert key(chunked.generate([prompt], seeded())[0]) == whole
 
 
@@ -90,14 +95,15 @@ def test_eager_and_compiled(llm, alone):
     models of tests/unit), and its compile took 37 s of the suite (issue 32)."""
     graph = llm.engine.runner.graph
     if graph is None and "smollm2" in llm.engine.args.model:
-        forced = LLM(llm.engine.args.model, kernels="decode_graph=compiled", **ENGINE)
+        forced = LLM(llm.engine.args.model, kernels="decode_graph=compiled", **ENGINE,
+                     gguf_weights=llm.engine.args.gguf_weights)
         graph = forced.engine.runner.graph
         assert key(forced.generate([P], seeded())[0]) == alone
     if graph is not None:
         steps = graph.num_steps
         assert key(llm.generate([P], seeded())[0]) == alone
         assert graph.num_steps > steps or llm.engine.runner.graph is None
-    eager = LLM(llm.engine.args.model, kernels="eager", **ENGINE)
+    eager = LLM(llm.engine.args.model, kernels="eager", **ENGINE, gguf_weights=llm.engine.args.gguf_weights)
     assert eager.engine.runner.graph is None
     assert key(eager.generate([P], seeded())[0]) == alone
     outs = eager.generate([P] + NEIGHBOURS[:7], [seeded()] * 8)
@@ -118,9 +124,13 @@ def test_qwen05_speculative_greedy_equals_plain_outright(qwen05_path, draft):
     speculative greedy equals plain greedy with no tie allowance (the draft here is the model itself,
     so every proposal is accepted and the verification rows carry the whole text)."""
     from mixserve.data.datasets import load_humaneval
+    from mixserve.layers import gguf_kernels
 
+    # the native kernel wherever one runs (the llm fixture's reason); the self-draft on the
+    # dequantized copy, so that both paths verify k + 1 rows
+    native = {"gguf_weights": "native"} if draft == "ngram" and gguf_kernels.available() else {}
     llm = LLM(qwen05_path, draft_model="ngram" if draft == "ngram" else qwen05_path, speculation="fixed",
-              num_speculative_tokens=4, **ENGINE)
+              num_speculative_tokens=4, **ENGINE, **native)
     prompts = [r.prompt for r in load_humaneval(2)] + ["Repeat exactly: 霓虹灯 🎉👩‍💻 naïve café"]
     # 32 tokens (48 before issue 32's suite cut): 8 verification rounds of k + 1 rows per prompt
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)

@@ -132,12 +132,12 @@ def float_order_reference(qtype: str, blocks: np.ndarray, k: int, x: np.ndarray)
 def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
     """Every variant of the kernel (AVX512-VNNI, AVX2) computes the float order gguf_kernels.py
     writes down, so they give the same bits (issue 43): checked against a numpy emulation of it,
-    at 1, 2, 5 rows, on whole and tail blocks, with and without prefetch."""
+    at 1, 2, 5 and 13 rows, on whole and tail blocks, with and without prefetch."""
     torch.manual_seed(3)
     for n, k in shapes(qtype):
         blocks = random_blocks(qtype, n, k, seed=2)
         w = GGUFWeight.from_blocks(qtype, blocks, k)
-        for rows in (1, 2, 5):
+        for rows in (1, 2, 5, 13):  # the few-row kernel (<= 4 rows) and the many-row one
             x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).contiguous()
             ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x.numpy()))
             for pf in (0, 3):
@@ -145,6 +145,39 @@ def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
                 y = w.matmul(x)
                 assert torch.equal(y, ref), (qtype, n, k, rows, pf, (y - ref).abs().max().item(),
                                              (y != ref).sum().item())
+
+
+@pytest.mark.skipif(gguf_kernels.isa() == "avx2", reason="this CPU's variant is the AVX2 one: the tests above ran it")
+def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
+    """MIXSERVE_ISA=avx2 on a CPU with AVX512-VNNI: the AVX2 variant, built on its own, passes the
+    float-order and row-count tests above too, so the two variants give the same bits (issue 43)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MIXSERVE_ISA": "avx2"}
+    code = "from mixserve.layers import gguf_kernels; assert gguf_kernels.isa() == 'avx2', gguf_kernels.isa()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "float_order or bits_it_gets_alone"], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
+    """Batch invariance in the kernel (issue 43): a row's output is the same bits at 1, 2, 7, 64 and
+    512 rows (the many-row kernel past four rows, the few-row one below), on whole and tail blocks
+    and for the LM head's three int8 levels."""
+    torch.manual_seed(4)
+    for n, k in shapes(qtype)[:2]:
+        w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed=5), k)
+        x = (torch.randn(512, k) * torch.linspace(0.1, 3, k)).contiguous()
+        for levels in (1, 3):
+            alone = torch.cat([w.matmul(x[i:i + 1], levels=levels) for i in (0, 1, 6, 63, 511)])
+            for rows in (2, 7, 64, 512):
+                y = w.matmul(x[:rows], levels=levels)
+                picked = [i for i in (0, 1, 6, 63, 511) if i < rows]
+                assert torch.equal(y[picked], alone[:len(picked)]), (qtype, n, k, levels, rows)
 
 
 def test_linear_parts_dense_switch_and_float_head():
