@@ -1,12 +1,15 @@
 """The cost of batch invariance (layers/batch_invariance.py), side by side in one process.
 
-Two engines on the same model, `--batch-invariant on` and `off`, timed in alternation (on, off, on,
-off, ...) so that the machine's drift hits both: decode tokens/s at batch 1, 8 and 64 (every row
-decoding; the rate between the last first token and the last finish), and the time to prefill a
-512-token prompt (TTFT of a lone request with max_tokens 1). Prints the machine first, then a table
-of medians and on/off ratios; `--out` saves it as JSON.
+Engines on the same model timed in alternation (a, b, a, b, ...) so that the machine's drift hits
+all: decode tokens/s at batch 1, 8 and 64 (every row decoding; the rate between the last first token
+and the last finish), and the time to prefill a 512-token prompt (TTFT of a lone request with
+max_tokens 1). `--arms invariance` (default): `--batch-invariant on` and `off`; `--arms gguf` (a GGUF
+model): the native kernel and the float32 dequantized copy, each with invariance on and off (issue
+43: which pays on this CPU). Prints the machine first, then a table of medians and each arm's ratio
+to the first; `--out` saves it as JSON.
 
     python benchmarks/batch_invariance.py --model qwen2.5-coder-0.5b-instruct --out results/bi.json
+    python benchmarks/batch_invariance.py --arms gguf --out results/gguf_arms.json
 """
 from __future__ import annotations
 
@@ -37,18 +40,29 @@ def prefill_s(llm: LLM, tokens: int, salt: int) -> float:
     return out.metrics["ttft"]
 
 
+ARMS = {"invariance": {"on": {"batch_invariant": "on"}, "off": {"batch_invariant": "off"}},
+        "gguf": {"native-on": {"gguf_weights": "native", "batch_invariant": "on"},
+                 "f32-on": {"gguf_weights": "dequantize", "batch_invariant": "on"},
+                 "native-off": {"gguf_weights": "native", "batch_invariant": "off"},
+                 "f32-off": {"gguf_weights": "dequantize", "batch_invariant": "off"}}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--arms", choices=sorted(ARMS), default="invariance")
     ap.add_argument("--out")
     a = ap.parse_args()
     print(machine_info(), flush=True)
+    from mixserve.layers import gguf_kernels
+
+    print(f"native GGUF kernel variant: {gguf_kernels.isa()}", flush=True)
     t0 = time.time()
-    engines = {m: LLM(a.model, batch_invariant=m, kv_cache_memory="1GiB", max_model_len=2048, progress=False,
-                      enable_prefix_caching=False) for m in ("on", "off")}
+    engines = {m: LLM(a.model, kv_cache_memory="1GiB", max_model_len=2048, progress=False,
+                      enable_prefix_caching=False, **kw) for m, kw in ARMS[a.arms].items()}
     print(f"engines ready in {time.time() - t0:.0f} s", flush=True)
     for m, llm in engines.items():
         print(f"  {m}: {llm.engine.describe()}", flush=True)
@@ -60,14 +74,17 @@ def main() -> None:
         decode_rate(llm, 2, 8)
         prefill_s(llm, 64, -1)
     rows = []
+    first = next(iter(engines))
     for name, fn in cases:
         got = {m: [] for m in engines}
         for r in range(a.rounds):
             for m, llm in engines.items():
                 got[m].append(fn(llm, r))
-        on, off = statistics.median(got["on"]), statistics.median(got["off"])
-        rows.append({"case": name, "on": on, "off": off, "on/off": on / off, "runs": got})
-        print(f"{name:28s} on {on:9.3f}  off {off:9.3f}  on/off {on / off:.3f}", flush=True)
+        med = {m: statistics.median(v) for m, v in got.items()}
+        rows.append({"case": name, **med, **{f"{m}/{first}": med[m] / med[first] for m in engines if m != first},
+                     "runs": got})
+        print(f"{name:28s} " + "  ".join(f"{m} {v:9.3f}" for m, v in med.items()) + "  " +
+              "  ".join(f"{m}/{first} {med[m] / med[first]:.3f}" for m in engines if m != first), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"machine": machine_info(), "model": a.model, "rows": rows}, f, indent=1)

@@ -67,7 +67,20 @@ def build_in_background(loaders) -> threading.Thread:
 
     t = threading.Thread(target=run, name="mixserve-kernel-build", daemon=True)
     t.start()
+    _background.append(t)
     return t
+
+
+_background: list[threading.Thread] = []
+
+
+def wait_for_background_builds(timeout: float | None = None) -> None:
+    """Wait for the builds `build_in_background` started (a kernel timing must not share the CPUs
+    with our own compiler processes, which its load check would count as another's work)."""
+    for t in list(_background):
+        t.join(timeout)
+        if not t.is_alive():
+            _background.remove(t)
 
 
 def _build_or_load(name: str, source: str, functions: list[str], needs: frozenset[str], extra: tuple[str, ...] = ()):

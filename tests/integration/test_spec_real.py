@@ -74,7 +74,7 @@ def test_smollm2_bf16_spec_greedy_equals_plain_up_to_measured_noise(smollm2_path
     llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_memory="256MiB", draft_model=smollm2_path,
               num_speculative_tokens=4, speculation="fixed", progress=False, gguf_weights="dequantize",
               batch_invariant=invariant, kernels="decode_graph=eager,decode_attention=paged")
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)  # 40 before issue 32's cuts
 
     def run(mode, ps):
         llm.engine.controller.mode = mode

@@ -138,7 +138,7 @@ def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "mixserve"):
         assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: float("nan")}, "plain") == "plain"
     assert "timed as NaN" in caplog.text and "not cached" in caplog.text
-    assert c.choices["dense_linear/x"].source == "measured, not cached" and not path.exists()
+    assert c.choices["dense_linear/x"].source.startswith("measured, not cached") and not path.exists()
     c = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     assert c.choose("dense_linear/x", {"plain": lambda: 2.0, "onednn": lambda: 1.0}, "plain") == "onednn"
     assert c.choices["dense_linear/x"].source == "measured" and path.exists()
@@ -351,7 +351,8 @@ def test_a_cpu_without_the_instructions_builds_nothing(monkeypatch):
     assert builds == ["mixserve_test_needs"]
     cpp_build._built.pop("mixserve_test_needs")
     # the AVX-512 kernels say what they need
-    assert gguf_kernels.NEEDS == int4_vnni.NEEDS == {"avx512_vnni", "avx512bw"}
+    assert int4_vnni.NEEDS == {"avx512_vnni", "avx512bw"}
+    assert gguf_kernels.NEEDS == {"avx2", "fma", "f16c"}  # its AVX2 variant's; -march=native picks VNNI where there
     assert bf16_gemv.NEEDS == {"avx512_bf16", "avx512f"}
     for mod in (gguf_kernels, int4_vnni, bf16_gemv):
         seen = []

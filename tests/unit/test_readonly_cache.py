@@ -98,7 +98,7 @@ def test_a_cpp_build_the_root_cannot_keep_is_built_in_scratch(tmp_path, monkeypa
     monkeypatch.setattr(cpp_build, "_built", {})
     places = []
 
-    def build(name, source, functions, folder):
+    def build(name, source, functions, folder, extra=()):
         places.append(folder)
         if len(places) == 1:
             raise OSError(errno.EROFS, "Read-only file system", str(folder))
