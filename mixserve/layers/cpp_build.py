@@ -190,10 +190,12 @@ static void quantize_row(const float* xr, int64_t K, int8_t* q, float* d, float*
       finite &= std::isfinite(a);
       amax = std::max(amax, a);
     }
-    const float dc = finite ? amax / 127.f : NAN, inv = dc > 0.f ? 1.f / dc : 0.f;
+    float dc = finite ? amax / 127.f : NAN, inv = dc > 0.f ? 1.f / dc : 0.f;
+    if (std::isinf(inv)) dc = inv = 0.f;  // a subnormal scale: q = 0 and the rest carries x (never inf * x)
     d[c] = dc;
     for (int i = 0; i < B; ++i) {
-      const float qi = std::nearbyint(xc[i] * inv);
+      float qi = std::nearbyint(xc[i] * inv);
+      qi = qi == qi ? std::fmin(std::fmax(qi, -127.f), 127.f) : 0.f;  // never -128 or a cast of NaN
       q[c * B + i] = (int8_t)qi;
       // one rounding, written out: whether a compiler contracts x - q * d depends on its flags and ISA
       if (rest) rest[c * B + i] = std::fma(-qi, dc, xc[i]);

@@ -77,8 +77,10 @@ static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch:
   Layout L;
   TORCH_CHECK(lo.scalar_type() == at::kByte && lo.dim() == 2 && lo.is_contiguous(), "gguf: lo uint8 [N, K/2]");
   L.N = lo.size(0); L.K = lo.size(1) * 2; L.G = G; L.S = S; L.HB = HB; L.z = (float)z;
-  TORCH_CHECK((G == 16 || G == 32) && L.K % G == 0 && S % G == 0 && L.K % S == 0 && (S == G || 16 % (S / G) == 0),
-              "gguf: unsupported group sizes");
+  // K a multiple of 32 (the activations' quantization blocks); a super-block of 1, 8 or 16 groups
+  // (the scale lanes are spread for those alone)
+  TORCH_CHECK((G == 16 || G == 32) && L.K % 32 == 0 && S % G == 0 && L.K % S == 0 &&
+              (S / G == 1 || S / G == 8 || S / G == 16), "gguf: unsupported group sizes");
   TORCH_CHECK(HB == 0 || HB == 1 || HB == 2 || HB == 4, "gguf: HB in 0, 1, 2, 4");
   L.ng = L.K / G; L.nb = (L.ng + 15) / 16;
   L.hib = HB == 4 ? L.K / 2 : L.nb * (G / 4) * HB * 8;  // hi bytes per row
@@ -314,7 +316,7 @@ static inline void block_scales2(const Layout& L, int64_t n, int64_t b, __m256* 
 
 // half h of a step of t groups (4t bytes). A tail step's bytes past 4t belong to the next step or
 // row: they meet zero activations (the activation rows are padded to whole blocks), so only the
-// tensor's last row, where they would lie past its end, copies what it has instead.
+// tensor's last rows, where they would lie past its end (`last`), copy what they have instead.
 static inline __m256i load_half(const uint8_t* p, int64_t t, int h, bool last) {
   if (t == 16 || !last) return _mm256_loadu_si256((const __m256i*)(p + 32 * h));
   alignas(32) uint8_t buf[32] = {0};
@@ -337,7 +339,8 @@ template <int G, int HB>
 static inline void unpack2(const Layout& L, int64_t n, int64_t b, int64_t p, int64_t t, int h, __m256i& qa, __m256i& qb) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t off = b * 8 * G + p * 4 * t;
-  const bool last = n == L.N - 1;
+  // a tail step's loads reach up to 64 bytes past row n's end: safe where the rows after hold them
+  const bool last = (L.N - 1 - n) * (L.K / 2) < 64;
   const __m256i v = load_half(L.lo + n * (L.K / 2) + off, t, h, last);
   qa = _mm256_and_si256(v, low);
   qb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -407,10 +410,12 @@ static void run2(const Layout& L, const int8_t* xp, const float* dxf, const floa
         block_scales2(L, n, b, sv0, mv0);
         block_scales2(L, n1, b, sv1, mv1);
         for (int h = 0; h < 2; ++h) {
-          if (16 * b + 8 * h >= L.ng) break;  // a tail block's empty half: its lanes add zeros
+          // a tail block's empty half: no integers, but its lanes' float step still runs (with
+          // zeros, as the VNNI kernel's masked lanes do: it can turn a -0 lane into +0)
+          const bool empty = 16 * b + 8 * h >= L.ng;
           __m256i i0[R], i1[R];
           for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
-          for (int64_t p = 0; p < G / 8; ++p) {
+          for (int64_t p = 0; p < (empty ? 0 : G / 8); ++p) {
             const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
             if (PF && h == 0) {
               _mm_prefetch((const char*)(L.lo + ahead * (L.K / 2) + off), _MM_HINT_T0);
@@ -467,12 +472,12 @@ static void tile_rows(const Layout& L, const uint8_t* U, const __m256* S, int64_
     for (int64_t b = 0; b < nb; ++b) {
       const __m256* s0 = S + (i * nb + b) * 4; const __m256* s1 = S + (j * nb + b) * 4;
       for (int h = 0; h < 2; ++h) {
-        if (16 * b + 8 * h >= L.ng) break;
+        const bool empty = 16 * b + 8 * h >= L.ng;  // run2's reason
         const uint8_t* u0 = U + i * urow + (b * 2 + h) * (G / 8) * 64;
         const uint8_t* u1 = U + j * urow + (b * 2 + h) * (G / 8) * 64;
         __m256i i0[R], i1[R];
         for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
-        for (int64_t p = 0; p < G / 8; ++p) {
+        for (int64_t p = 0; p < (empty ? 0 : G / 8); ++p) {
           const __m256i qa0 = _mm256_loadu_si256((const __m256i*)(u0 + p * 64));
           const __m256i qb0 = _mm256_loadu_si256((const __m256i*)(u0 + p * 64 + 32));
           const __m256i qa1 = _mm256_loadu_si256((const __m256i*)(u1 + p * 64));

@@ -378,7 +378,8 @@ class KernelChooser:
         # hw probe's load check, per measurement: timings taken while other processes ran are
         # inflated unevenly (each candidate met a different share of their work), so the choice
         # serves this process and is timed again next start, never cached
-        others = other_cores(ticks0, cpu_ticks())
+        # (not the decode graph's: its first timed calls compile, on Inductor's worker processes)
+        others = other_cores(ticks0, cpu_ticks()) if not key.startswith(UNBUDGETED) else None
         busy = None
         if others is not None and others > BUSY_CORES:
             busy = f"other processes used {others:.1f} cores while it was timed"
@@ -414,6 +415,7 @@ class KernelChooser:
             uncached = f"{', '.join(failed)} timed as NaN"
         if uncached:
             log.warning("kernels: %s: %s; using %s for this process, not cached", key, uncached, best)
+            note_unkept("kernel choices", f"{key}: {uncached}")  # `prepare` exits 1 naming it
             self.choices[key] = Choice(key, best, f"{source}, not cached: {uncached}", timings)
             return best
         self.choices[key] = choice = Choice(key, best, source, timings)

@@ -124,8 +124,11 @@ def test_a_quantize_that_fails_midway_leaves_nothing_and_a_checkpoint_missing_a_
 
 
 # -- kernel choices ----------------------------------------------------------------------------
-def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog):
+def test_a_kernel_timing_that_fails_is_not_cached(tmp_path, caplog, monkeypatch):
+    import mixserve.env as env
     from mixserve.layers.kernel_choice import KernelChooser
+
+    monkeypatch.setattr(env, "_unkept", {})
 
     path = tmp_path / "choices.json"
 

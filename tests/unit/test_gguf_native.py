@@ -393,6 +393,21 @@ def test_non_finite_activations_give_non_finite_rows(qtype):
         assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
 
 
+def test_tiny_activations_give_finite_rows():
+    """A 32-channel chunk whose largest |x| is ~1e-38 has a subnormal scale whose inverse is inf:
+    it quantized to inf * x, cast to int8 (undefined), and a second level made the row NaN from
+    finite input. Such a chunk now quantizes to zeros and its rest carries x."""
+    w = GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 6, 64), 64)
+    x = torch.randn(3, 64)
+    x[1, :32] = 1e-38
+    x[1, 3] = 0.0
+    for levels in (1, 2, 3):
+        y = w.matmul(x, levels)
+        assert torch.isfinite(y).all(), levels
+    ref = w.matmul(torch.cat([x[:1], torch.cat([torch.zeros(32), x[1, 32:]])[None], x[2:]]))
+    assert torch.equal(w.matmul(x), ref)  # the tiny chunk adds nothing at one level
+
+
 def test_probe_runs_a_part_without_native_kernel_dense(tmp_path):
     from mixserve.layers.kernel_choice import KernelChooser
     from mixserve.layers.linear import DenseLinear

@@ -27,8 +27,10 @@ def test_a_timing_taken_while_other_processes_ran_is_not_cached(tmp_path, monkey
     serves this process only, and the next start times it again; a quiet timing is cached."""
     import os
 
+    import mixserve.env as env
     import mixserve.layers.kernel_choice as kc
 
+    monkeypatch.setattr(env, "_unkept", {})  # the uncached choice is named there (prepare's exit 1)
     cpus = os.cpu_count() or 1
     tick = os.sysconf("SC_CLK_TCK")
     # one second of the machine: every CPU busy with another process's work; then only this one's
@@ -41,6 +43,7 @@ def test_a_timing_taken_while_other_processes_ran_is_not_cached(tmp_path, monkey
     assert pick == "onednn" and not path.exists()
     src = c.choices["dense_linear/x"].source
     assert src.startswith("measured, not cached") and f"used {cpus:.1f} cores" in src
+    assert "kernel choices" in env.unkept()
     # the same timing with nothing else running (this process the only busy one) is cached
     c2 = KernelChooser(path, overrides={}, machine="cpu A | torch 1", timing="measure")
     assert c2.choose("dense_linear/x", {"plain": stub(2.0, calls), "onednn": stub(1.0, calls)}, "plain") == "onednn"
