@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.env import forced_isa
+from mixserve.env import cpu_flags, forced_isa
 from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
 
 
@@ -788,20 +788,38 @@ def build():
     return build_extension("mixserve_gguf_v5", _SRC, ["available", "isa_level"], needs=NEEDS)
 
 
+VNNI_NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # what -march=native needs to build the VNNI variant
+
+
+def may_default_native() -> bool:
+    """False where default_native() is false for certain without building anything: MIXSERVE_ISA=avx2,
+    or a CPU whose flags lack AVX512-VNNI or AVX512-BW."""
+    if forced_isa() == "avx2":
+        return False
+    flags = cpu_flags()
+    return not flags or VNNI_NEEDS <= flags
+
+
 def default_native() -> bool:
     """Whether a GGUF file loads natively when --gguf-weights is not given: where the AVX512-VNNI
     variant runs. The AVX2 variant (asked for by --gguf-weights native) decodes one stream faster
     than the float32 dequantized copy but prefills and decodes wide batches slower, with batch
-    invariance's two int8 levels at every row count (BENCHMARKS.md, issue 43)."""
-    return available() and isa() == "avx512-vnni"
+    invariance's two int8 levels at every row count (BENCHMARKS.md, issue 43). Builds the kernel
+    only where may_default_native()."""
+    return may_default_native() and available() and isa() == "avx512-vnni"
 
 
 def why_not_native() -> str:
     """The start-up line's reason a GGUF file was dequantized by default (default_native false)."""
+    flags = cpu_flags()
+    if flags and not NEEDS <= flags:
+        return "no native kernel here: it needs AVX2, FMA and F16C"
+    if not may_default_native():
+        return ("the native kernel here is its AVX2 variant, slower than float32 at prefill and wide batches; "
+                "--gguf-weights native runs it")
     if not available():
-        return "no native kernel here: it needs AVX2, FMA, F16C and a C++ compiler"
-    return (f"the native kernel here is its {isa()} variant, slower than float32 at prefill and wide batches; "
-            "--gguf-weights native runs it")
+        return "no native kernel here: its C++ build failed (no compiler?)"
+    return f"the native kernel here is its {isa()} variant; --gguf-weights native runs it"
 
 
 def isa() -> str | None:
