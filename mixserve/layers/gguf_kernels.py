@@ -101,6 +101,23 @@ static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch:
   return L;
 }
 
+#ifdef GGUF_NATIVE
+// step p of block b of the row pair PF pairs after row n (PF chosen by timing): the hardware
+// prefetcher alone left the loads exposed (on the project's Xeon, 12.6 -> 16.4 GB/s on the 1.5B's gate)
+template <int G, int HB>
+static inline void prefetch_pair(const Layout& L, int64_t n, int64_t N, int64_t PF, int64_t b, int64_t p, int64_t t) {
+  const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
+  for (int64_t row = ahead; row < ahead + 2; ++row) {
+    _mm_prefetch((const char*)(L.lo + row * (L.K / 2) + off), _MM_HINT_T0);
+    if constexpr (HB == 4) {
+      _mm_prefetch((const char*)(L.hi + row * (L.K / 2) + off), _MM_HINT_T0);
+    } else if constexpr (HB > 0) {
+      if (p == 0) _mm_prefetch((const char*)(L.hi + row * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
+    }
+  }
+}
+#endif
+
 #ifdef GGUF_VNNI
 static inline float sum16(__m512 v) {
   return sum8_tree(_mm256_add_ps(_mm512_castps512_ps256(v),
@@ -109,17 +126,6 @@ static inline float sum16(__m512 v) {
 
 static inline __m512 halves16(const at::Half* p, __mmask16 k) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
-}
-
-static inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else  // round to nearest even on the bits (the weights are finite)
-  __m512i u = _mm512_castps_si512(v);
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
 }
 
 // row n's s_g and m_g for the 16 groups of block b (lanes past the row's groups are zero)
@@ -195,22 +201,7 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
         __m512i ia0[R], ib0[R], ia1[R], ib1[R];
         for (int r = 0; r < R; ++r) ia0[r] = ib0[r] = ia1[r] = ib1[r] = _mm512_setzero_si512();
         for (int64_t p = 0; p < G / 8; ++p) {
-          // the row pair PF pairs ahead (PF chosen by timing): the hardware prefetcher alone left
-          // the loads exposed (on the project's Xeon, 12.6 -> 16.4 GB/s on the 1.5B's gate)
-          const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
-          if (PF) {
-            _mm_prefetch((const char*)(L.lo + ahead * (L.K / 2) + off), _MM_HINT_T0);
-            _mm_prefetch((const char*)(L.lo + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
-            if constexpr (HB == 4) {
-              _mm_prefetch((const char*)(L.hi + ahead * (L.K / 2) + off), _MM_HINT_T0);
-              _mm_prefetch((const char*)(L.hi + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
-            } else if constexpr (HB > 0) {
-              if (p == 0) {
-                _mm_prefetch((const char*)(L.hi + ahead * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
-                _mm_prefetch((const char*)(L.hi + (ahead + 1) * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
-              }
-            }
-          }
+          if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
           __m512i qa0, qb0, qa1, qb1;
           unpack<G, HB>(L, n, b, p, km, t, qa0, qb0);
           unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1);
@@ -257,6 +248,33 @@ static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const
       default: run<4, G, HB>(L, a, b, c, o, L.N, PF); break;
     }
   }
+}
+// dequantization's two variant parts: steps p and p + G/8 of row n's block b into st (64 bytes
+// each, at p and p + G/8), and the block's 16 lanes of s and m
+template <int G, int HB>
+static inline void unpack_to(const Layout& L, int64_t n, int64_t b, int64_t p, int64_t t, uint8_t* st) {
+  const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+  __m512i qa, qb;
+  unpack<G, HB>(L, n, b, p, km, t, qa, qb);
+  _mm512_store_si512((void*)(st + p * 64), qa);
+  _mm512_store_si512((void*)(st + (p + G / 8) * 64), qb);
+}
+
+static inline void scales_to(const Layout& L, int64_t n, int64_t b, float* s, float* m) {
+  __m512 sv, mv;
+  block_scales(L, n, b, sv, mv);
+  _mm512_store_ps(s, sv);
+  _mm512_store_ps(m, mv);
+}
+#endif
+
+#ifdef GGUF_NATIVE
+static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
+  __m256i u = _mm256_castps_si256(v);
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  u = _mm256_srli_epi32(u, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 #endif
 
@@ -393,6 +411,20 @@ static inline __m256 block_step(__m256i isum, const int32_t* xsi, const float* d
                          _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsf), acc));
 }
 
+// R activation rows' step p (x: the block half's first byte in row 0) against two weight rows'
+// unpacked step: each row's integer sums for both
+template <int R, int G, int HB>
+static inline void rows_dot(const int8_t* x, int64_t xrow, int64_t p, __m256i qa0, __m256i qb0, __m256i qa1,
+                            __m256i qb1, __m256i* i0, __m256i* i1) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xr = x + r * xrow;
+    const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
+    const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
+    i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
+    i1[r] = _mm256_add_epi32(i1[r], dot8<HB>(qa1, xa, qb1, xb));
+  }
+}
+
 // `run` on AVX2: dxf, xsf float [R, nb, 16] and xsi int32 [R, nb, 16] (per group lane: the
 // activation scale, dx * sum(xq), sum(xq))
 template <int R, int G, int HB>
@@ -416,30 +448,11 @@ static void run2(const Layout& L, const int8_t* xp, const float* dxf, const floa
           __m256i i0[R], i1[R];
           for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
           for (int64_t p = 0; p < (empty ? 0 : G / 8); ++p) {
-            const int64_t off = b * 8 * G + p * 4 * t, ahead = std::max<int64_t>(0, std::min<int64_t>(n + 2 * PF, N - 2));
-            if (PF && h == 0) {
-              _mm_prefetch((const char*)(L.lo + ahead * (L.K / 2) + off), _MM_HINT_T0);
-              _mm_prefetch((const char*)(L.lo + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
-              if constexpr (HB == 4) {
-                _mm_prefetch((const char*)(L.hi + ahead * (L.K / 2) + off), _MM_HINT_T0);
-                _mm_prefetch((const char*)(L.hi + (ahead + 1) * (L.K / 2) + off), _MM_HINT_T0);
-              } else if constexpr (HB > 0) {
-                if (p == 0) {
-                  _mm_prefetch((const char*)(L.hi + ahead * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
-                  _mm_prefetch((const char*)(L.hi + (ahead + 1) * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
-                }
-              }
-            }
+            if (PF && h == 0) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
             __m256i qa0, qb0, qa1, qb1;
             unpack2<G, HB>(L, n, b, p, t, h, qa0, qb0);
             unpack2<G, HB>(L, n1, b, p, t, h, qa1, qb1);
-            for (int r = 0; r < R; ++r) {
-              const int8_t* xr = xp + r * xrow + b * 16 * G + 32 * h;
-              const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
-              const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
-              i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
-              i1[r] = _mm256_add_epi32(i1[r], dot8<HB>(qa1, xa, qb1, xb));
-            }
+            rows_dot<R, G, HB>(xp + b * 16 * G + 32 * h, xrow, p, qa0, qb0, qa1, qb1, i0, i1);
           }
           for (int r = 0; r < R; ++r) {
             const int64_t at = (r * nb + b) * 16 + 8 * h;
@@ -482,13 +495,7 @@ static void tile_rows(const Layout& L, const uint8_t* U, const __m256* S, int64_
           const __m256i qb0 = _mm256_loadu_si256((const __m256i*)(u0 + p * 64 + 32));
           const __m256i qa1 = _mm256_loadu_si256((const __m256i*)(u1 + p * 64));
           const __m256i qb1 = _mm256_loadu_si256((const __m256i*)(u1 + p * 64 + 32));
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xr = xp + r * xrow + b * 16 * G + 32 * h;
-            const __m256i xa = _mm256_loadu_si256((const __m256i*)(xr + p * 64));
-            const __m256i xb = _mm256_loadu_si256((const __m256i*)(xr + (p + G / 8) * 64));
-            i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
-            i1[r] = _mm256_add_epi32(i1[r], dot8<HB>(qa1, xa, qb1, xb));
-          }
+          rows_dot<R, G, HB>(xp + b * 16 * G + 32 * h, xrow, p, qa0, qb0, qa1, qb1, i0, i1);
         }
         for (int r = 0; r < R; ++r) {
           const int64_t at = (r * nb + b) * 16 + 8 * h;
@@ -562,12 +569,21 @@ static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const
   }
 }
 
-static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
-  __m256i u = _mm256_castps_si256(v);
-  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-  u = _mm256_srli_epi32(u, 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+template <int G, int HB>
+static inline void unpack_to(const Layout& L, int64_t n, int64_t b, int64_t p, int64_t t, uint8_t* st) {
+  for (int h = 0; h < 2; ++h) {
+    __m256i qa, qb;
+    unpack2<G, HB>(L, n, b, p, t, h, qa, qb);
+    _mm256_store_si256((__m256i*)(st + p * 64 + 32 * h), qa);
+    _mm256_store_si256((__m256i*)(st + (p + G / 8) * 64 + 32 * h), qb);
+  }
+}
+
+static inline void scales_to(const Layout& L, int64_t n, int64_t b, float* s, float* m) {
+  __m256 sv[2], mv[2];
+  block_scales2(L, n, b, sv, mv);
+  _mm256_store_ps(s, sv[0]); _mm256_store_ps(s + 8, sv[1]);
+  _mm256_store_ps(m, mv[0]); _mm256_store_ps(m + 8, mv[1]);
 }
 #endif
 
@@ -663,7 +679,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
 // bfloat16, w = fma(q, s_g, m_g)
 template <int G, int HB, typename O>
 static void dequant_impl(const Layout& L, const int64_t* rows, int64_t M, O* out) {
-#ifdef GGUF_AVX2
+#ifdef GGUF_NATIVE
   at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
     alignas(64) uint8_t st[16 * G], nat[16 * G];
     alignas(64) float s[16], m[16];
@@ -672,19 +688,11 @@ static void dequant_impl(const Layout& L, const int64_t* rows, int64_t M, O* out
       O* o = out + i * L.K;
       for (int64_t b = 0; b < L.nb; ++b) {
         const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
-        for (int64_t p = 0; p < G / 8; ++p)
-          for (int h = 0; h < 2; ++h) {
-            __m256i qa, qb;
-            unpack2<G, HB>(L, n, b, p, t, h, qa, qb);
-            _mm256_store_si256((__m256i*)(st + p * 64 + 32 * h), qa);
-            _mm256_store_si256((__m256i*)(st + (p + G / 8) * 64 + 32 * h), qb);
-          }
+        for (int64_t p = 0; p < G / 8; ++p) unpack_to<G, HB>(L, n, b, p, t, st);
         for (int64_t l = 0; l < t; ++l)  // step-major words -> group-major
           for (int64_t c = 0; c < G / 4; ++c) std::memcpy(nat + l * G + 4 * c, st + c * 64 + 4 * l, 4);
-        __m256 sv[2], mv[2];
-        block_scales2(L, n, b, sv, mv);
-        _mm256_store_ps(s, sv[0]); _mm256_store_ps(s + 8, sv[1]);
-        _mm256_store_ps(m, mv[0]); _mm256_store_ps(m + 8, mv[1]);
+        scales_to(L, n, b, s, m);
+        // 8 channels at a time on both variants (AVX2 runs on AVX-512 CPUs): one fma each
         for (int64_t u = 0; u < t * G / 8; ++u) {
           const int64_t g = u * 8 / G;
           const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(nat + 8 * u))));
@@ -692,40 +700,6 @@ static void dequant_impl(const Layout& L, const int64_t* rows, int64_t M, O* out
           O* dst = o + b * 16 * G + 8 * u;
           if constexpr (std::is_same<O, float>::value) _mm256_storeu_ps(dst, w);
           else _mm_storeu_si128((__m128i*)dst, to_bf16_8(w));
-        }
-      }
-    }
-  });
-#endif
-#ifdef GGUF_VNNI
-  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
-    alignas(64) uint8_t st[16 * G], nat[16 * G];
-    alignas(64) float s[16], m[16];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t n = rows ? rows[i] : i;
-      O* o = out + i * L.K;
-      for (int64_t b = 0; b < L.nb; ++b) {
-        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
-        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
-        for (int64_t p = 0; p < G / 8; ++p) {
-          __m512i qa, qb;
-          unpack<G, HB>(L, n, b, p, km, t, qa, qb);
-          _mm512_store_si512((void*)(st + p * 64), qa);
-          _mm512_store_si512((void*)(st + (p + G / 8) * 64), qb);
-        }
-        for (int64_t l = 0; l < t; ++l)  // step-major words -> group-major
-          for (int64_t c = 0; c < G / 4; ++c) std::memcpy(nat + l * G + 4 * c, st + c * 64 + 4 * l, 4);
-        __m512 sv, mv;
-        block_scales(L, n, b, sv, mv);
-        _mm512_store_ps(s, sv);
-        _mm512_store_ps(m, mv);
-        for (int64_t u = 0; u < t * G / 16; ++u) {
-          const int64_t g = u * 16 / G;
-          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)(nat + 16 * u))));
-          const __m512 w = _mm512_fmadd_ps(f, _mm512_set1_ps(s[g]), _mm512_set1_ps(m[g]));
-          O* dst = o + b * 16 * G + 16 * u;
-          if constexpr (std::is_same<O, float>::value) _mm512_storeu_ps(dst, w);
-          else _mm256_storeu_si256((__m256i*)dst, to_bf16(w));
         }
       }
     }

@@ -381,16 +381,26 @@ def test_a_draft_model_samples_unseeded_requests(tiny):
     assert len(out.token_ids) == 8 and out.metrics["spec_proposed"] > 0
 
 
-def test_a_background_graph_changes_no_token(tiny, monkeypatch):
-    """graph_warmup="background": the first steps run eager while the graph compiles on a thread
-    (held back here until 3 steps have run), then it is installed between two steps. Float32
-    greedy before, during and after the swap equals the eager engine bit for bit, tokens and
-    logprobs (batch invariance on: one numeric path), and both paths really ran steps."""
+def run_to_the_end(eng, after: dict) -> dict:
+    """Step `eng` until every request finishes, calling after[n]() once n steps have run; returns
+    {request id: final output}."""
+    outs, steps = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps += 1
+        if steps in after:
+            after[steps]()
+    return outs
+
+
+def hold_background_warm_up(monkeypatch):
+    """Hold decode_graph.warm_up (a background compile's last part) until the returned event is set."""
     import threading
 
     import mixserve.engine.decode_graph as dg
 
-    folder, _ = tiny
     go, real = threading.Event(), dg.warm_up
 
     def held_warm_up(*args, **kw):
@@ -398,6 +408,16 @@ def test_a_background_graph_changes_no_token(tiny, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(dg, "warm_up", held_warm_up)
+    return go
+
+
+def test_a_background_graph_changes_no_token(tiny, monkeypatch):
+    """graph_warmup="background": the first steps run eager while the graph compiles on a thread
+    (held back here until 3 steps have run), then it is installed between two steps. Float32
+    greedy before, during and after the swap equals the eager engine bit for bit, tokens and
+    logprobs (batch invariance on: one numeric path), and both paths really ran steps."""
+    folder, _ = tiny
+    go = hold_background_warm_up(monkeypatch)
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1],
               graph_warmup="background")
     eng, runner = llm.engine, llm.engine.runner
@@ -405,16 +425,12 @@ def test_a_background_graph_changes_no_token(tiny, monkeypatch):
     ps = prompts(3)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     ids = [eng.add_request(p, sp) for p in ps]
-    outs, steps = {}, 0
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        steps += 1
-        if steps == 3:
-            assert runner.graph is None  # three steps ran eager
-            go.set()
-            assert eng.wait_for_graph(120)  # installed between this step and the next
+
+    def release():
+        assert runner.graph is None  # three steps ran eager
+        go.set()
+        assert eng.wait_for_graph(120)  # installed between this step and the next
+    outs = run_to_the_end(eng, {3: release})
     assert runner.graph is not None and runner.graph.num_steps > 0 and eng.describe().count("background") == 0
     eager = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager")
     ref = eager.generate(ps, sp)
@@ -432,7 +448,6 @@ def test_an_untimed_graph_is_tried_on_live_steps_and_changes_no_token(tiny, monk
     and the choice is cached with both timings. Float32 greedy through the swap and the trial
     equals eager bit for bit, and the next engine takes the cached choice with no trial."""
     import json
-    import threading
 
     import mixserve.engine.decode_graph as dg
 
@@ -440,13 +455,8 @@ def test_an_untimed_graph_is_tried_on_live_steps_and_changes_no_token(tiny, monk
     monkeypatch.setenv("MIXSERVE_KERNEL_CACHE", str(tmp_path / "choices.json"))
     monkeypatch.setattr(dg.GraphTrial, "PAIRS", 3)
     folder, _ = tiny
-    go, real = threading.Event(), dg.warm_up
-
-    def held_warm_up(*args, **kw):
-        assert go.wait(60)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(dg, "warm_up", held_warm_up)
+    real = dg.warm_up
+    go = hold_background_warm_up(monkeypatch)
     # every other choice fixed, so that only the graph's is left to measure
     kernels = "decode_attention=paged"
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=kernels,
@@ -456,16 +466,13 @@ def test_an_untimed_graph_is_tried_on_live_steps_and_changes_no_token(tiny, monk
     ps = prompts(3)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     ids = [eng.add_request(p, sp) for p in ps]
-    outs, steps, trial = {}, 0, runner.graph_trial
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-        steps += 1
-        if steps == 3:
-            assert runner.graph is None and not trial.pairs  # eager while it compiles
-            go.set()
-            assert eng.wait_for_graph(120)
+    trial = runner.graph_trial
+
+    def release():
+        assert runner.graph is None and not trial.pairs  # eager while it compiles
+        go.set()
+        assert eng.wait_for_graph(120)
+    outs = run_to_the_end(eng, {3: release})
     assert runner.graph_trial is None and len(trial.pairs) == 3  # decided
     cached = json.loads((tmp_path / "choices.json").read_text())["machines"]
     (entry,) = [v for m in cached.values() for k, v in m.items() if k.startswith("decode_graph/")]
