@@ -148,8 +148,8 @@ class ModelRunner:
                             off: bool = False) -> str:
         """Capture decode-only steps in a compiled graph (engine/decode_graph.py) where `chooser`
         (layers/kernel_choice.py, key `decode_graph/...`) measures it faster than eager steps, or
-        an override or the cache says so. Returns "compiled", "eager", or why the graph is
-        unsupported. background: a graph chosen without timing it (cache, override) is compiled
+        an override or the cache says so. Returns "compiled", "eager", "trial" (below), or why the
+        graph is unsupported. background: a graph chosen without timing it (cache, override) is compiled
         or loaded on a thread while steps run eager, and installed when ready (`install_graph`);
         a graph that was just timed is compiled already and used at once; a choice nobody knows
         yet (not in the cache, no override, timing "measure") is not timed before serving: the
