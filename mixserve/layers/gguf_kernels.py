@@ -1,4 +1,10 @@
-"""GGUF block-quantized weights held as they are: one int8-activation VNNI kernel for every type.
+"""GGUF block-quantized weights held as they are: one int8-activation kernel for every type.
+
+Two variants of the kernel, chosen by the build's instruction set: AVX512-VNNI (`vpdpbusd`) and
+AVX2 (`vpmaddubsw` + `vpmaddwd`, issue 43; `MIXSERVE_ISA=avx2` forces it). They compute the same
+integer group sums and then the same float steps in the same order (written at the top of `_SRC`),
+so they give the same bits; above 4 activation rows the AVX2 variant's many-row kernel unpacks each
+weight tile once, with the same steps, so a row's bits do not depend on the row count.
 
 Every GGUF weight type mixserve runs natively (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; formats in
 ggml's `ggml-common.h` and the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)

@@ -158,17 +158,20 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
         raise
-    loaded = sum(t.numel() * t.element_size() for t in weights.values())
+    # the dense weights' bytes in the compute dtype (the file's copy is float32, cast at load)
+    loaded = sum(t.numel() for t in weights.values()) * torch.empty(0, dtype=dtype).element_size()
     del weights
     kind = "int4 " + quant.method if quant is not None else "dense"
     model.weight_format = f"{kind} weights in {dtype}"
-    if r.kind == "gguf":
+    if r.kind == "gguf" and quant is not None:
+        model.weight_format += " (dequantized from the GGUF)"
+    elif r.kind == "gguf":
         from mixserve.layers import gguf_kernels
 
         # what the choice costs a decode step: every weight byte is read once a token (issue 43)
+        why = "--gguf-weights dequantize" if gguf_weights == "dequantize" else gguf_kernels.why_not_native()
         model.weight_format += (f" (dequantized from the GGUF: {loaded / 1e6:,.0f} MB of weights as loaded, against "
-                                f"the file's {Path(r.path).stat().st_size / 1e6:,.0f} MB natively"
-                                f"{'; ' + gguf_kernels.why_not_native() if quantization is None else ''})")
+                                f"the file's {Path(r.path).stat().st_size / 1e6:,.0f} MB natively; {why})")
     startup.mark("weights")
     tok = tok_later.result()
     startup.mark("tokenizer")

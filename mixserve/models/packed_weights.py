@@ -36,6 +36,7 @@ log = logging.getLogger("mixserve")
 LAYOUT = 1  # bump when invariant_linear.pack's layout changes
 FILE = "packed.safetensors"
 _writing: list[threading.Thread] = []  # save_in_background's threads (finish_writing waits for them)
+_at_exit: list[bool] = []  # non-empty once finish_writing is registered with atexit
 
 
 def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | None:
@@ -124,6 +125,14 @@ def save_in_background(path: Path, model) -> threading.Thread:
 
     t = threading.Thread(target=write, name="mixserve-packed-weights", daemon=True)
     t.store = path
+    if not _at_exit:
+        # a library user's process that exits mid-write (a short first script) would kill the
+        # writer inside torch's C++ and abort (exit 134, "terminate called without an active
+        # exception"): its exit waits for the write as the CLI's does
+        import atexit
+
+        atexit.register(finish_writing)
+        _at_exit.append(True)
     t.start()
     _writing.append(t)
     return t
@@ -131,7 +140,8 @@ def save_in_background(path: Path, model) -> threading.Thread:
 
 def finish_writing() -> None:
     """Wait for the stores save_in_background is still writing (the CLI, before its exit skips
-    every thread: a short first run would otherwise never keep them), saying so."""
+    every thread: a short first run would otherwise never keep them; and at any process's exit,
+    registered with atexit), saying so."""
     left = [t for t in _writing if t.is_alive()]
     if left:
         log.warning("keeping the packed weights for the next start (%d being written)", len(left))

@@ -104,3 +104,21 @@ def test_the_store_is_keyed_by_the_source_files_and_the_dtype(tiny, tmp_path):
     os.utime(f.path, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))  # the weights replaced in place
     assert packed_weights.store_path(tiny, torch.float32) != a
     assert packed_weights.store_path(tmp_path, torch.float32) is None  # no safetensors: nothing kept
+
+
+def test_a_script_that_exits_while_the_store_is_written_exits_cleanly(tiny, tmp_path):
+    """A library user's first start that exits at once: the writer thread was killed inside torch's
+    C++ and the process aborted (exit 134, "terminate called without an active exception"). Its exit
+    now waits for the write: exit 0, and the next start finds the store."""
+    import os
+    import subprocess
+    import sys
+
+    # the write held for 2 s, so that the script's end comes first (a real model's takes seconds)
+    code = ("import sys, time, safetensors.torch as st; save = st.save_file; "
+            "st.save_file = lambda *a, **k: (time.sleep(2), save(*a, **k))[1]; from mixserve.llm import LLM; "
+            "LLM(sys.argv[1], dtype='float32', kv_cache_memory='2MiB', progress=False, graph_warmup='off')")
+    r = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MIXSERVE_PACKED_CACHE": str(tmp_path / "packed")})
+    assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
+    assert list((tmp_path / "packed").rglob(packed_weights.FILE))
