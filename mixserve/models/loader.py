@@ -57,6 +57,7 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
 
 def _load_native_gguf(path, dtype, max_positions, progress):
     from mixserve.layers import gguf_kernels
+    from mixserve.models import native_store
     from mixserve.models.weights import gguf_meta_dir, read_gguf_native
 
     def meta():  # the folder (its tokenizer converted once) and the tokenizer, on one thread
@@ -65,7 +66,15 @@ def _load_native_gguf(path, dtype, max_positions, progress):
 
     tok_later = _later(meta)
     try:
-        cfg, _, weights, types = read_gguf_native(path, progress=progress)
+        # the repacked layout a start before kept (models/native_store.py); else read and repack
+        # the file, and keep the result for the next start
+        store = native_store.store_path(path)
+        kept = native_store.load(store, path)
+        if kept is not None:
+            cfg, weights, types = kept
+        else:
+            cfg, _, weights, types = read_gguf_native(path, progress=progress)
+            native_store.save_in_background(store, path, cfg, weights, types)
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one

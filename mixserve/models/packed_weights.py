@@ -61,44 +61,65 @@ def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | Non
 
 def checksum(t: torch.Tensor) -> str:
     """The sum of a contiguous tensor's bytes read as int64 words, wrapping (any one changed word
-    changes it; order-free, so threads may split it): ~0.1 s per 2 GB here, against ~0.6 s for CRC-32."""
-    return str(int(t.reshape(-1).view(torch.int64).sum()))
+    changes it; order-free, so threads may split it): ~0.1 s per 2 GB here, against ~0.6 s for CRC-32.
+    A size that is not a whole number of words (the native GGUF layout's scales) adds its last
+    bytes as a second sum."""
+    b = t.reshape(-1).view(torch.uint8)
+    whole = b.numel() // 8 * 8
+    head = str(int(b[:whole].view(torch.int64).sum()))
+    return head if whole == b.numel() else f"{head}+{int(b[whole:].sum())}"
 
 
 def load(path: Path | None) -> dict[str, torch.Tensor]:
     """{module name: packed weight} memory-mapped from a complete store at `path`, each tensor
     whose checksum (written beside it) still holds; {} where there is none, or it is cut short
     or unreadable. What is left out is packed again and the store rewritten."""
+    return read_store(path)[0]
+
+
+def read_store(path: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a complete store at `path` (save_tensors_in_background), keeping
+    only the tensors whose checksum holds; ({}, {}) where there is none, or it is cut short or
+    unreadable (logged: the caller builds the tensors again and rewrites the store)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from mixserve.models.weights import _complete
 
     if path is None or not _complete(path):
-        return {}
+        return {}, {}
     try:
         with safe_open(str(path / FILE), framework="pt") as f:
-            sums = f.metadata() or {}
+            meta = f.metadata() or {}
         tensors = load_file(str(path / FILE))
-    except Exception as e:  # noqa: BLE001 -- a damaged header: pack again, rewrite
-        log.warning("packed weights in %s unreadable (%s: %s); packing again", path, type(e).__name__, e)
-        return {}
-    good = {n: t for n, t in tensors.items() if sums.get(n) == checksum(t)}
+    except Exception as e:  # noqa: BLE001 -- a damaged header: build again, rewrite
+        log.warning("stored weights in %s unreadable (%s: %s); building them again", path, type(e).__name__, e)
+        return {}, {}
+    good = {n: t for n, t in tensors.items() if meta.get(n) == checksum(t)}
     if len(good) < len(tensors):
-        log.warning("packed weights in %s: %d of %d tensors fail their checksum; packing them again", path,
+        log.warning("stored weights in %s: %d of %d tensors fail their checksum; building them again", path,
                     len(tensors) - len(good), len(tensors))
-    return good
+    return good, meta
 
 
 def save_in_background(path: Path, model) -> threading.Thread:
     """Write every packed dense weight of `model` (module name -> DenseLinear.inv_packed) to a
     store at `path` on a daemon thread, replacing what is there (the caller packed anew because it
-    was missing or wanting). publish_dir: a temporary folder renamed into place, so a process that
-    exits first leaves nothing that a later start would read. Returns the thread."""
+    was missing or wanting). Returns the thread."""
+    tensors = {name: m.inv_packed for name, m in model.named_modules() if getattr(m, "inv_packed", None) is not None}
+    return save_tensors_in_background(path, tensors, {}, "packed weights")
+
+
+def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                               what: str) -> threading.Thread:
+    """Write `tensors` (contiguous, none sharing memory) with `meta` (string keys other than the
+    tensors' names) and each tensor's checksum to a store at `path` on a daemon thread, replacing
+    what is there. publish_dir: a temporary folder renamed into place, so a process that exits
+    first leaves nothing that a later start would read. Where the cache root cannot be written,
+    `what` is named as not kept (env.note_unkept). Returns the thread."""
     for t in _writing:  # a draft that is the target model: one writer per store (they share a temp path)
         if t.is_alive() and getattr(t, "store", None) == path:
             return t
-    tensors = {name: m.inv_packed for name, m in model.named_modules() if getattr(m, "inv_packed", None) is not None}
 
     def write():
         import os
@@ -108,22 +129,22 @@ def save_in_background(path: Path, model) -> threading.Thread:
         from mixserve.models.weights import _write_done
 
         def fill(tmp: Path) -> None:
-            save_file(tensors, str(tmp / FILE), metadata={n: checksum(t) for n, t in tensors.items()})
+            save_file(tensors, str(tmp / FILE), metadata={**meta, **{n: checksum(t) for n, t in tensors.items()}})
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp / FILE, 0o666 & ~umask)  # safetensors writes 0600: other users' starts read it too
-            _write_done(tmp, f"{len(tensors)} packed weights")
+            _write_done(tmp, f"{len(tensors)} tensors: {what}")
         try:
             # replace whatever is there: it was found wanting (cut, foreign, unreadable), or another
             # process wrote the same bits meanwhile
             publish_dir(path, fill, lambda out: False)
         except Exception as e:  # noqa: BLE001 -- a cache write: never a reason to fail (safetensors' ENOSPC is its own error)
             if cannot_write(e):
-                note_unkept("packed weights", f"{path.parent}: {getattr(e, 'strerror', None) or e}")
+                note_unkept(what, f"{path.parent}: {getattr(e, 'strerror', None) or e}")
             else:
-                log.warning("packed weights not kept in %s: %s: %s", path, type(e).__name__, e)
+                log.warning("%s not kept in %s: %s: %s", what, path, type(e).__name__, e)
 
-    t = threading.Thread(target=write, name="mixserve-packed-weights", daemon=True)
+    t = threading.Thread(target=write, name="mixserve-stored-weights", daemon=True)
     t.store = path
     if not _at_exit:
         # a library user's process that exits mid-write (a short first script) would kill the
@@ -144,7 +165,7 @@ def finish_writing() -> None:
     registered with atexit), saying so."""
     left = [t for t in _writing if t.is_alive()]
     if left:
-        log.warning("keeping the packed weights for the next start (%d being written)", len(left))
+        log.warning("keeping the weights' ready layout for the next start (%d stores being written)", len(left))
     for t in left:
         t.join()
     _writing.clear()

@@ -1,0 +1,99 @@
+"""A GGUF's native layout kept on disk (models/native_store.py, issue 32): a later start reads it
+instead of the GGUF and gives the same bits; a store cut short, corrupt or written for another file
+is repacked and rewritten, never used."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from mixserve import SamplingParams
+from mixserve.layers import gguf_kernels
+from mixserve.models import native_store, packed_weights, weights
+from tests.unit.test_gguf_native import VOCAB, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="native GGUF kernel needs AVX2 (or AVX512-VNNI)")
+
+
+@pytest.fixture
+def gguf_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return write_tiny_gguf(tmp_path / "tiny-llama.gguf")
+
+
+def _start(path, monkeypatch=None, repack=True):
+    """An engine's tokens and logprobs, with the store's write waited for. repack=False: reading
+    the GGUF's tensors fails the test."""
+    from mixserve.llm import LLM
+
+    if not repack:
+        def refuse(*a, **k):
+            raise AssertionError("the GGUF was read and repacked")
+        monkeypatch.setattr(weights, "read_gguf_native", refuse)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="2MiB", progress=False, gguf_weights="native",
+              kernels="eager")
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    packed_weights.finish_writing()
+    ids = np.random.default_rng(5).integers(2, VOCAB, (3, 20)).tolist()
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+def test_a_later_start_reads_the_kept_layout_and_gives_the_same_bits(gguf_file, monkeypatch):
+    first, ref = _start(gguf_file)
+    store = native_store.store_path(gguf_file)
+    assert (store / packed_weights.FILE).is_file()
+    second, out = _start(gguf_file, monkeypatch, repack=False)
+    assert out == ref
+    assert second.engine.model.cfg == first.engine.model.cfg
+    assert second.engine.describe().count("GGUF weights native") == 1  # the same start-up line
+    # a changed file (same path, new modification time) has a store of its own
+    os.utime(gguf_file, ns=(1, 1))
+    assert native_store.store_path(gguf_file) != store
+    assert native_store.load(store, gguf_file) is None  # the old store names the old identity
+
+
+def test_a_cut_corrupt_or_foreign_store_is_repacked_and_rewritten(gguf_file, tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    _, ref = _start(gguf_file)
+    store = native_store.store_path(gguf_file)
+    f = store / packed_weights.FILE
+
+    def rewritten():  # the next start repacked (the GGUF read), wrote a whole store, and gave the same bits
+        _, out = _start(gguf_file)
+        assert out == ref
+        assert native_store.load(store, gguf_file) is not None
+
+    # cut short: DONE's sizes no longer hold
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    assert native_store.load(store, gguf_file) is None
+    rewritten()
+
+    # one plane's bytes changed, same size: its checksum fails
+    with safe_open(str(f), framework="pt") as fh:
+        meta = fh.metadata()
+    tensors = load_file(str(f))
+    name = next(n for n in tensors if n.endswith("#lo"))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[7] ^= 0x11
+    save_file(tensors, str(f), metadata=meta)
+    weights._write_done(store, "edited")
+    assert native_store.load(store, gguf_file) is None
+    rewritten()
+
+    # foreign: the store of another file (same content, another path) put in this one's place
+    other = shutil.copy(gguf_file, tmp_path / "other.gguf")
+    _start(other)
+    shutil.rmtree(store)
+    shutil.copytree(native_store.store_path(other), store)
+    assert native_store.load(store, gguf_file) is None
+    facts = json.loads(packed_weights.read_store(store)[1][native_store.META])
+    assert facts["source"] == native_store.source_id(other)
+    rewritten()
