@@ -240,6 +240,14 @@ def publish_or_scratch(out: Path, fill, complete, what: str) -> Path:
     return tmp
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where that is unreadable)."""
     try:

@@ -22,7 +22,7 @@ import torch
 
 import mixserve.startup as startup
 from mixserve.env import (cache_root, cannot_write, cpu_flags, cpu_isa_key, cpu_model, note_unkept, remove_stale_tmp,
-                          scratch_dir, tmp_sibling)
+                          scratch_dir, tmp_sibling, usable_cores)
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
@@ -52,23 +52,37 @@ def build_extension(name: str, source: str, functions: list[str], needs: frozens
     return _built[name]
 
 
-def build_in_background(loaders) -> threading.Thread:
+def build_in_background(loaders) -> list[threading.Thread]:
     """Call each of `loaders` (a kernel module's `build`: build_extension only, no op registration,
-    which stays on the caller's thread) on a daemon thread, now: the builds
-    run as compiler processes beside what the caller does next (a cold start's GGUF conversion,
-    36 s on the 0.5B on 2 AVX2 cores, against 31 s of builds, issue 32). A caller that needs a
-    kernel before its build ends waits for that build (build_extension), never starts a second."""
+    which stays on the caller's thread) on daemon threads, now, in their order, as many at once as
+    this process has cores (at most): the builds run as compiler processes beside what the caller
+    does next (a cold start's GGUF conversion or repack, issue 32), and the first, which the caller
+    needs first, has a core of its own (the 0.5B's native cold start: three builds, 51 s one after
+    another on 2 AVX2 cores). A caller that needs a kernel before its build ends waits for that
+    build (build_extension), never starts a second. Returns the threads."""
+    import queue
+
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for f in loaders:
+        todo.put(f)
+
     def run():
-        for f in loaders:
+        while True:
+            try:
+                f = todo.get_nowait()
+            except queue.Empty:
+                return
             try:
                 f()
             except Exception as e:  # noqa: BLE001 -- the caller's own call reports it
                 log.debug("background kernel build: %s", e)
 
-    t = threading.Thread(target=run, name="mixserve-kernel-build", daemon=True)
-    t.start()
-    _background.append(t)
-    return t
+    threads = [threading.Thread(target=run, name=f"mixserve-kernel-build-{i}", daemon=True)
+               for i in range(max(1, min(len(loaders), usable_cores())))]
+    for t in threads:
+        t.start()
+        _background.append(t)
+    return threads
 
 
 _background: list[threading.Thread] = []
@@ -128,12 +142,23 @@ def _import_built(name: str, so, functions: list[str]):
         return None
 
 
+# what our kernels use of ATen, and no more: <torch/types.h> (all of ATen's ops, ATen.h) took 11.1 s
+# of each build's compile on the 2-core EPYC, these 7.0 s (issue 32: three builds on a cold start)
+LITE_HEAD = """#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/addmm.h>
+namespace torch { using at::Tensor; using at::empty; using at::empty_like; }"""
+
+
 def _lite_source(name: str, source: str, functions: list[str]) -> str:
-    """`source` as a plain shared library: ATen, `torch::` types and the op registry instead of
-    `<torch/extension.h>` (which brings pybind11 and the whole C++ frontend; issue 32), and each of
+    """`source` as a plain shared library: the few ATen headers of LITE_HEAD and the op registry
+    instead of `<torch/extension.h>` (which brings pybind11 and the whole C++ frontend; issue 32), and each of
     `functions` registered as an op
     `torch.ops.<name>.<function>` with its schema inferred from the C++ signature."""
-    head = "#include <torch/library.h>\n#include <torch/types.h>"
+    head = LITE_HEAD
     body = source.replace("#include <torch/extension.h>", head) if "<torch/extension.h>" in source \
         else head + "\n" + source
     defs = "\n".join(f'  m.def("{f}", &{f});' for f in functions)

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import cache_root, cpu_isa_key, cpu_model, note_unkept
+from mixserve.env import cache_root, cpu_isa_key, cpu_model, note_unkept, usable_cores
 
 log = logging.getLogger("mixserve")
 
@@ -74,14 +74,6 @@ def llc_bytes() -> int:
         except (OSError, ValueError):
             continue
     return best or 64 << 20
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def cap_threads() -> int:
