@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not gguf_kernels.available(), reason="native GGU
 
 @pytest.fixture
 def gguf_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("MIXSERVE_NATIVE_CACHE", str(tmp_path / "native"))
     return write_tiny_gguf(tmp_path / "tiny-llama.gguf")
 
 

@@ -4,6 +4,7 @@ unreadable is packed again and rewritten, never used."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -12,6 +13,8 @@ from mixserve.layers import batch_invariance
 from mixserve.llm import LLM
 from mixserve.models import packed_weights
 from tests.unit.test_engine_tiny import make_tiny, prompts
+
+_SUITE_XDG = os.environ.get("XDG_CACHE_HOME")  # before a fixture points it at a test's own folder
 
 pytestmark = pytest.mark.skipif(batch_invariance.unavailable() is not None,
                                 reason=f"batch invariance unavailable: {batch_invariance.unavailable()}")
@@ -118,7 +121,12 @@ def test_a_script_that_exits_while_the_store_is_written_exits_cleanly(tiny, tmp_
     code = ("import sys, time, safetensors.torch as st; save = st.save_file; "
             "st.save_file = lambda *a, **k: (time.sleep(2), save(*a, **k))[1]; from mixserve.llm import LLM; "
             "LLM(sys.argv[1], dtype='float32', kv_cache_memory='2MiB', progress=False, graph_warmup='off')")
-    r = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "MIXSERVE_PACKED_CACHE": str(tmp_path / "packed")})
+    # the suite's cache root (its C++ builds: a new root built two kernels, 14 s of this test's 20 s);
+    # the store goes to a folder of the test's own
+    env = {**os.environ, "MIXSERVE_PACKED_CACHE": str(tmp_path / "packed")}
+    env.pop("XDG_CACHE_HOME")
+    if _SUITE_XDG is not None:
+        env["XDG_CACHE_HOME"] = _SUITE_XDG
+    r = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
     assert list((tmp_path / "packed").rglob(packed_weights.FILE))
