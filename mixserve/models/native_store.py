@@ -8,10 +8,11 @@ config and the file's block-type counts to one safetensors file under `<cache ro
 a thread once the weights are built, and later starts read that file instead of the GGUF.
 
 The store is keyed by the file (resolved path, size, modification time) and the layout's version
-(`LAYOUT`); the key is written inside it too, so a store copied in from another file is not
-taken. Every tensor's checksum is checked at load (packed_weights.read_store): one missing or
-failing (a cut, corrupt or foreign file) and the GGUF is read and repacked again, and the store
-rewritten. The write is a temporary folder renamed into place (env.publish_dir); where the cache
+(`LAYOUT`); the key is written inside it too, with a digest of 16 stretches of the file's bytes
+(`content_sample`), so a store copied in from another file, or kept for a file since replaced with
+the same size and time, is not taken. Every tensor's checksum and the description's (types, shapes,
+config) are checked at load (packed_weights.read_store): one missing or failing (a cut, corrupt or
+foreign file) and the GGUF is read and repacked again, and the store rewritten. The write is a temporary folder renamed into place (env.publish_dir); where the cache
 root cannot be written, the engine repacks at every start and says so (env.note_unkept).
 """
 from __future__ import annotations
@@ -46,6 +47,19 @@ def source_id(gguf_path: str | Path) -> str:
     return json.dumps([str(p), st.st_size, st.st_mtime_ns, LAYOUT])
 
 
+def content_sample(gguf_path: str | Path, pieces: int = 16, size: int = 1 << 16) -> str:
+    """sha256 of `pieces` stretches of `size` bytes spread evenly over the file (1 MiB read, a few
+    ms from the page cache): a file replaced in place with the same size and modification time
+    (a copy that kept them) is told apart from the one a store was written for."""
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        total = f.seek(0, os.SEEK_END)
+        for i in range(pieces):
+            f.seek(max(0, (total - size) * i // max(1, pieces - 1)))
+            h.update(f.read(size))
+    return h.hexdigest()
+
+
 def store_path(gguf_path: str | Path) -> Path:
     """Where the native layout of `gguf_path` is kept: `<cache root>/native/<file name>-<key>`
     ($MIXSERVE_NATIVE_CACHE in place of `<cache root>/native`). Raises OSError where the file
@@ -67,18 +81,23 @@ def load(path: Path, gguf_path: str | Path) -> tuple[ModelConfig, dict, dict] | 
     if not meta:
         return None
     try:
-        facts = json.loads(meta[META])
-        if facts["source"] != source_id(gguf_path):
+        text = meta[META]
+        if meta.get(META + "sha256") != hashlib.sha256(text.encode()).hexdigest():
+            raise ValueError("its description fails its checksum")
+        facts = json.loads(text)
+        if facts["source"] != source_id(gguf_path) or facts["sample"] != content_sample(gguf_path):
             log.warning("the native layout in %s was written for another file (%s); repacking", path, facts["source"])
             return None
         weights: dict = {name: tensors[name] for name in facts["floats"]}
         for name, (qtype, n, k, group, superblock, hb, zero, empty) in facts["quantized"].items():
             parts = {t: torch.empty(0, dtype=getattr(torch, empty[t])) if t in empty else tensors[f"{name}#{t}"]
                      for t in GGUFWeight.TENSORS}
+            if any(v.numel() and v.shape[0] != n for v in parts.values()):
+                raise ValueError(f"{name}: a plane of another row count than {n}")
             weights[name] = GGUFWeight(qtype, n, k, parts, group, superblock, hb, zero)
         return ModelConfig(**facts["config"]), weights, facts["types"]
-    except (KeyError, ValueError, TypeError) as e:  # a tensor failed its checksum, or foreign metadata
-        log.warning("the native layout in %s is incomplete (%s: %s); repacking", path, type(e).__name__, e)
+    except (KeyError, ValueError, TypeError) as e:  # a tensor failed its checksum, or damaged metadata
+        log.warning("the native layout in %s is incomplete or damaged (%s: %s); repacking", path, type(e).__name__, e)
         return None
 
 
@@ -104,6 +123,8 @@ def save_in_background(path: Path, gguf_path: str | Path, cfg: ModelConfig, weig
         else:
             tensors[name] = w.contiguous()
             floats.append(name)
-    facts = {"source": source_id(gguf_path), "config": asdict(cfg), "types": types, "floats": floats,
-             "quantized": quantized}
-    return packed_weights.save_tensors_in_background(path, tensors, {META: json.dumps(facts)}, WHAT)
+    facts = {"source": source_id(gguf_path), "sample": content_sample(gguf_path), "config": asdict(cfg),
+             "types": types, "floats": floats, "quantized": quantized}
+    text = json.dumps(facts)
+    return packed_weights.save_tensors_in_background(
+        path, tensors, {META: text, META + "sha256": hashlib.sha256(text.encode()).hexdigest()}, WHAT)

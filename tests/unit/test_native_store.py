@@ -88,6 +88,29 @@ def test_a_cut_corrupt_or_foreign_store_is_repacked_and_rewritten(gguf_file, tmp
     assert native_store.load(store, gguf_file) is None
     rewritten()
 
+    # the description edited (a block type), the tensors' checksums intact: its own checksum fails
+    meta = dict(meta)
+    meta[native_store.META] = meta[native_store.META].replace('"Q4_K"', '"Q5_0"', 1)
+    save_file(load_file(str(f)), str(f), metadata=meta)
+    weights._write_done(store, "edited")
+    assert native_store.load(store, gguf_file) is None
+    rewritten()
+
+    # the file replaced in place by another of the same size and modification time
+    st = os.stat(gguf_file)
+    data = bytearray(gguf_file.read_bytes())
+    data[-5000] ^= 0x40  # a weight's byte
+    gguf_file.write_bytes(bytes(data))
+    os.utime(gguf_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert native_store.store_path(gguf_file) == store  # the same key
+    assert native_store.load(store, gguf_file) is None  # but not the same content
+    _, changed = _start(gguf_file)
+    assert native_store.load(store, gguf_file) is not None
+    data[-5000] ^= 0x40
+    gguf_file.write_bytes(bytes(data))
+    os.utime(gguf_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rewritten()
+
     # foreign: the store of another file (same content, another path) put in this one's place
     other = shutil.copy(gguf_file, tmp_path / "other.gguf")
     _start(other)
