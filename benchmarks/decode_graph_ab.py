@@ -6,7 +6,7 @@ forced (`--kernels decode_graph=compiled`; Inductor's cache makes later rounds l
 `steps` decode steps per case on dummy rows at a 128-token context (engine/decode_graph.dummy_decode_steps),
 the median of all but the first 4. Ratios within a round are what to read: the machines are noisy.
 
-    python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2]
+    python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2] [--gguf-weights native]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import json, os, statistics, sys
 import torch
 from mixserve.llm import LLM
 from mixserve.engine.decode_graph import dummy_decode_steps
-llm = LLM(sys.argv[1], progress=False, kernels="decode_graph=compiled")
+llm = LLM(sys.argv[1], progress=False, kernels="decode_graph=compiled", **json.loads(sys.argv[3]))
 r, g = llm.engine.runner, llm.engine.runner.graph
 out = {}
 with torch.inference_mode():
@@ -36,10 +36,11 @@ print(json.dumps(out))
 """
 
 
-def run(code: str, model: str, steps: int) -> dict:
+def run(code: str, model: str, steps: int, engine: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": code, "MIXSERVE_KERNEL_TIMING": "prior",
            "MIXSERVE_KERNEL_CACHE": os.path.join(tempfile.mkdtemp(), "choices.json")}
-    p = subprocess.run([sys.executable, "-c", _CHILD, model, str(steps)], cwd=code, env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", _CHILD, model, str(steps), json.dumps(engine)], cwd=code, env=env,
+                       capture_output=True,
                        text=True, timeout=900)
     if p.returncode:
         raise SystemExit(f"{code}: exit {p.returncode}\n{p.stderr[-2000:]}")
@@ -53,7 +54,10 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--gguf-weights", default=None, choices=["native", "dequantize"],
+                    help="how a GGUF loads (default: the engine's choice for this CPU)")
     a = ap.parse_args()
+    engine = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.machine())
     isa = sorted({f for ln in open("/proc/cpuinfo") if ln.startswith("flags") for f in ln.split()
@@ -61,7 +65,8 @@ def main() -> int:
     print(f"machine: {cpu} ({' '.join(isa)}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; "
           "ms per decode step (median)")
     for i in range(a.rounds):
-        old, new = run(os.path.abspath(a.old), a.model, a.steps), run(os.path.abspath(a.new), a.model, a.steps)
+        old = run(os.path.abspath(a.old), a.model, a.steps, engine)
+        new = run(os.path.abspath(a.new), a.model, a.steps, engine)
         print(f"round {i + 1}: " + ", ".join(f"{k} {old[k]} -> {new[k]} ({new[k] / old[k]:.2f}x)" for k in old))
     return 0
 

@@ -152,7 +152,8 @@ class LLMEngine:
                 fresh = m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant,
                                          packed=packed_weights.load(store))
                 if fresh and store is not None:
-                    self.packed_saves.append(packed_weights.save_in_background(store, m))
+                    self.packed_saves.append(packed_weights.save_in_background(
+                        store, m, packed_weights.slot(folder, self.dtype, getattr(m, "quant", None))))
         self.kernel_choice_s = time.perf_counter() - t1
         startup.mark("kernel choices")
         # The draft's cache holds as many tokens as the target's, so the budget is split in

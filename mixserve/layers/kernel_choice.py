@@ -352,8 +352,11 @@ class KernelChooser:
         # a warning, not info: a first start is silent for up to a minute otherwise
         budget = "" if key.startswith(UNBUDGETED) or math.isinf(self.budget_s) else \
             f"; {self.spent_s:.0f} of this start's {self.budget_s:.0f} s spent"
-        log.warning("timing kernels for %s: %d candidates (once per machine, cached in %s%s)", key,
-                    len(candidates), self.path, budget)
+        # the graph's first timed call compiles it: a minute of no other line on 2 cores
+        compiles = "; the compiled candidate compiles first (Inductor, up to a minute the first time)" \
+            if key.startswith("decode_graph") else ""
+        log.warning("timing kernels for %s: %d candidates (once per machine, cached in %s%s)%s", key,
+                    len(candidates), self.path, budget, compiles)
         # a timing that raises propagates before anything is written; one that came out NaN is left
         # out, and the choice is not cached: a failed measurement is never remembered (issue 46)
         from mixserve.layers.cpp_build import wait_for_background_builds

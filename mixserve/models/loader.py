@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from mixserve.models.weights import convert_gguf, load_hf_weights
 from mixserve.quant.awq import AWQConfig
 from mixserve.quant.checkpoint import default_out_dir, missing_pieces
 from mixserve.quant.loading import QuantSpec
+
+log = logging.getLogger("mixserve")
 
 
 def is_awq_folder(spec: str) -> bool:
@@ -72,9 +75,14 @@ def _load_native_gguf(path, dtype, max_positions, progress):
         kept = native_store.load(store, path)
         if kept is not None:
             cfg, weights, types = kept
+            source = f"the repacked layout kept in {store}"
         else:
+            if progress:  # the header's parse is seconds before the repack's bar shows
+                log.warning("reading %s and repacking it for the native kernel (once: kept in %s for later "
+                            "starts)", Path(path).name, store)
             cfg, _, weights, types = read_gguf_native(path, progress=progress)
             native_store.save_in_background(store, path, cfg, weights, types)
+            source = "repacked from the file"
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
@@ -83,7 +91,7 @@ def _load_native_gguf(path, dtype, max_positions, progress):
     native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
                            f"int8-activation kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
-                           f"dequantized to {dtype}")
+                           f"dequantized to {dtype}; {source}")
     del weights
     startup.mark("weights")
     folder, tok = tok_later.result()

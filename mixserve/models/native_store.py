@@ -4,13 +4,15 @@ start (issue 32).
 Loading a GGUF natively parses its header (the vocabulary's 151k strings: 2.2 s for the 0.5B on
 a 2-core EPYC) and repacks every quantized tensor into the kernel's planes (4.1 s), each start.
 The first start therefore writes the repacked tensors, the float ones (norms, biases), the model's
-config and the file's block-type counts to one safetensors file under `<cache root>/native/`, on
-a thread once the weights are built, and later starts read that file instead of the GGUF.
+config and the file's block-type counts to a folder under `<cache root>/native/` (one safetensors
+file, packed_weights.FILE, and DONE; about the GGUF's size), on a thread once the weights are
+built, and later starts read that file instead of the GGUF.
 
 The store is keyed by the file (resolved path, size, modification time) and the layout's version
 (`LAYOUT`); the key is written inside it too, with a digest of 16 stretches of the file's bytes
 (`content_sample`), so a store copied in from another file, or kept for a file since replaced with
-the same size and time, is not taken. Every tensor's checksum and the description's (types, shapes,
+the same size and time, is not taken; once a new store is written, the stores of the same path's
+earlier versions are removed (packed_weights.remove_stale). Every tensor's checksum and the description's (types, shapes,
 config) are checked at load (packed_weights.read_store): one missing or failing (a cut, corrupt or
 foreign file) and the GGUF is read and repacked again, and the store rewritten. The write is a temporary folder renamed into place (env.publish_dir); where the cache
 root cannot be written, the engine repacks at every start and says so (env.note_unkept).
@@ -127,4 +129,5 @@ def save_in_background(path: Path, gguf_path: str | Path, cfg: ModelConfig, weig
              "types": types, "floats": floats, "quantized": quantized}
     text = json.dumps(facts)
     return packed_weights.save_tensors_in_background(
-        path, tensors, {META: text, META + "sha256": hashlib.sha256(text.encode()).hexdigest()}, WHAT)
+        path, tensors, {META: text, META + "sha256": hashlib.sha256(text.encode()).hexdigest()}, WHAT,
+        slot=str(Path(gguf_path).resolve()))

@@ -35,6 +35,7 @@ log = logging.getLogger("mixserve")
 
 LAYOUT = 1  # bump when invariant_linear.pack's layout changes
 FILE = "packed.safetensors"
+SLOT = "__mixserve_slot__"  # metadata: what a store stands for apart from its source's version
 _writing: list[threading.Thread] = []  # save_in_background's threads (finish_writing waits for them)
 _at_exit: list[bool] = []  # non-empty once finish_writing is registered with atexit
 
@@ -102,21 +103,31 @@ def read_store(path: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, st
     return good, meta
 
 
-def save_in_background(path: Path, model) -> threading.Thread:
+def slot(folder: str | Path, dtype: torch.dtype, quant=None) -> str:
+    """What a store of `store_path(folder, dtype, quant)` stands for apart from the weight files'
+    version and the layout's: a later version replaces it (remove_stale)."""
+    return json.dumps({"folder": str(Path(folder).resolve()), "dtype": str(dtype), "quant": repr(quant)})
+
+
+def save_in_background(path: Path, model, slot: str | None = None) -> threading.Thread:
     """Write every packed dense weight of `model` (module name -> DenseLinear.inv_packed) to a
     store at `path` on a daemon thread, replacing what is there (the caller packed anew because it
-    was missing or wanting). Returns the thread."""
+    was missing or wanting), and, once written, the older stores of the same `slot`. Returns the
+    thread."""
     tensors = {name: m.inv_packed for name, m in model.named_modules() if getattr(m, "inv_packed", None) is not None}
-    return save_tensors_in_background(path, tensors, {}, "packed weights")
+    return save_tensors_in_background(path, tensors, {}, "packed weights", slot=slot)
 
 
 def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str],
-                               what: str) -> threading.Thread:
+                               what: str, slot: str | None = None) -> threading.Thread:
     """Write `tensors` (contiguous, none sharing memory) with `meta` (string keys other than the
     tensors' names) and each tensor's checksum to a store at `path` on a daemon thread, replacing
     what is there. publish_dir: a temporary folder renamed into place, so a process that exits
     first leaves nothing that a later start would read. Where the cache root cannot be written,
-    `what` is named as not kept (env.note_unkept). Returns the thread."""
+    `what` is named as not kept (env.note_unkept). `slot`: what the store stands for apart from
+    its source's version (a file's path, a dtype); once written, the stores beside it of the same
+    slot (an earlier version of the file, an older layout) are removed, so a re-pulled or touched
+    file leaves no stale copy of its size behind. Returns the thread."""
     for t in _writing:  # a draft that is the target model: one writer per store (they share a temp path)
         if t.is_alive() and getattr(t, "store", None) == path:
             return t
@@ -129,7 +140,9 @@ def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], met
         from mixserve.models.weights import _write_done
 
         def fill(tmp: Path) -> None:
-            save_file(tensors, str(tmp / FILE), metadata={**meta, **{n: checksum(t) for n, t in tensors.items()}})
+            extra = {SLOT: slot} if slot is not None else {}
+            save_file(tensors, str(tmp / FILE),
+                      metadata={**meta, **extra, **{n: checksum(t) for n, t in tensors.items()}})
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp / FILE, 0o666 & ~umask)  # safetensors writes 0600: other users' starts read it too
@@ -138,6 +151,8 @@ def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], met
             # replace whatever is there: it was found wanting (cut, foreign, unreadable), or another
             # process wrote the same bits meanwhile
             publish_dir(path, fill, lambda out: False)
+            if slot is not None:
+                remove_stale(path, slot)
         except Exception as e:  # noqa: BLE001 -- a cache write: never a reason to fail (safetensors' ENOSPC is its own error)
             if cannot_write(e):
                 note_unkept(what, f"{path.parent}: {getattr(e, 'strerror', None) or e}")
@@ -157,6 +172,31 @@ def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], met
     t.start()
     _writing.append(t)
     return t
+
+
+def remove_stale(path: Path, slot: str) -> list[Path]:
+    """Remove the stores beside `path` (folders of the same name up to the key's last "-") written
+    for the same `slot`: other versions of the same source. Returns those removed."""
+    import shutil
+
+    from safetensors import safe_open
+
+    stem = path.name.rsplit("-", 1)[0] + "-"
+    gone = []
+    for other in path.parent.glob(stem + "*"):
+        if other == path or not other.is_dir() or ".tmp." in other.name or ".old." in other.name:
+            continue
+        try:
+            with safe_open(str(other / FILE), framework="pt") as f:
+                theirs = (f.metadata() or {}).get(SLOT)
+        except Exception:  # noqa: BLE001 -- unreadable: not ours to judge (a later start rewrites its own)
+            continue
+        if theirs == slot:
+            shutil.rmtree(other, ignore_errors=True)
+            gone.append(other)
+    if gone:
+        log.info("removed %d stale store(s) beside %s: %s", len(gone), path, ", ".join(g.name for g in gone))
+    return gone
 
 
 def finish_writing() -> None:

@@ -24,19 +24,18 @@ def gguf_file(tmp_path, monkeypatch):
     return write_tiny_gguf(tmp_path / "tiny-llama.gguf")
 
 
-def _start(path, monkeypatch=None, repack=True):
+def _start(path, repack=True):
     """An engine's tokens and logprobs, with the store's write waited for. repack=False: reading
     the GGUF's tensors fails the test."""
     from mixserve.llm import LLM
 
-    if not repack:
-        def refuse(*a, **k):
-            raise AssertionError("the GGUF was read and repacked")
-        monkeypatch.setattr(weights, "read_gguf_native", refuse)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory="2MiB", progress=False, gguf_weights="native",
-              kernels="eager")
-    if monkeypatch is not None:
-        monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        if not repack:
+            def refuse(*a, **k):
+                raise AssertionError("the GGUF was read and repacked")
+            mp.setattr(weights, "read_gguf_native", refuse)
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="2MiB", progress=False, gguf_weights="native",
+                  kernels="eager")
     packed_weights.finish_writing()
     ids = np.random.default_rng(5).integers(2, VOCAB, (3, 20)).tolist()
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
@@ -47,14 +46,20 @@ def test_a_later_start_reads_the_kept_layout_and_gives_the_same_bits(gguf_file, 
     first, ref = _start(gguf_file)
     store = native_store.store_path(gguf_file)
     assert (store / packed_weights.FILE).is_file()
-    second, out = _start(gguf_file, monkeypatch, repack=False)
+    second, out = _start(gguf_file, repack=False)
     assert out == ref
     assert second.engine.model.cfg == first.engine.model.cfg
     assert second.engine.describe().count("GGUF weights native") == 1  # the same start-up line
-    # a changed file (same path, new modification time) has a store of its own
+    assert "the repacked layout kept in" in second.engine.describe()
+    # a changed file (same path, new modification time) has a store of its own, which replaces the old
     os.utime(gguf_file, ns=(1, 1))
     assert native_store.store_path(gguf_file) != store
     assert native_store.load(store, gguf_file) is None  # the old store names the old identity
+    third, out = _start(gguf_file)
+    assert out == ref and "repacked from the file" in third.engine.describe()
+    assert native_store.load(native_store.store_path(gguf_file), gguf_file) is not None
+    assert native_store.store_path(gguf_file).parent == store.parent  # the test's own folder
+    assert not store.exists()  # the stale store removed once the new one was written
 
 
 def test_a_cut_corrupt_or_foreign_store_is_repacked_and_rewritten(gguf_file, tmp_path, monkeypatch):

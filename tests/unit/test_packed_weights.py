@@ -50,6 +50,14 @@ def test_a_later_start_maps_the_packed_weights_and_gives_the_same_bits(tiny):
     assert set(packed_weights.load(store)) == names and len(names) == 2 * 4 + 1  # 4 linears a layer, the head
     second, out = _start(tiny)
     assert second.engine.packed_saves == [] and out == ref  # every copy taken: nothing packed, nothing written
+    # the weights replaced in place (a new modification time): a new store, and the stale one removed
+    import os
+
+    f = next(p for p in os.scandir(tiny) if p.name.endswith(".safetensors"))
+    os.utime(f.path, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))
+    third, out = _start(tiny)
+    assert len(third.engine.packed_saves) == 1 and out == ref
+    assert _store(tiny) != store and packed_weights.load(_store(tiny)) and not store.exists()
 
 
 def test_a_cut_foreign_or_unreadable_copy_is_packed_again_and_rewritten(tiny):
