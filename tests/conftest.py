@@ -29,6 +29,11 @@ if "MIXSERVE_PACKED_CACHE" not in os.environ:
     _packed = tempfile.mkdtemp(prefix="mixserve-suite-packed-")
     atexit.register(shutil.rmtree, _packed, True)
     os.environ["MIXSERVE_PACKED_CACHE"] = _packed
+# ... and so do the native GGUF layouts (models/native_store.py), for the same reason
+if "MIXSERVE_NATIVE_CACHE" not in os.environ:
+    _native = tempfile.mkdtemp(prefix="mixserve-suite-native-")
+    atexit.register(shutil.rmtree, _native, True)
+    os.environ["MIXSERVE_NATIVE_CACHE"] = _native
 
 
 @pytest.fixture(scope="session")

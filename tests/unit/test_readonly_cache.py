@@ -145,7 +145,8 @@ def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path
     if built.is_dir():
         shutil.copytree(built, root / "mixserve" / "kernels", copy_function=os.link)
     e = _child_env(root)
-    for k in ("MIXSERVE_KERNEL_CACHE", "MIXSERVE_KERNEL_TIMING", "MIXSERVE_KERNEL_BUDGET", "MIXSERVE_PACKED_CACHE"):
+    for k in ("MIXSERVE_KERNEL_CACHE", "MIXSERVE_KERNEL_TIMING", "MIXSERVE_KERNEL_BUDGET", "MIXSERVE_PACKED_CACHE",
+              "MIXSERVE_NATIVE_CACHE"):
         e.pop(k, None)
     engine = ["--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "128"]
     cli = [sys.executable, "-m", "mixserve.cli"]
