@@ -156,7 +156,8 @@ def cannot_write(e: BaseException) -> bool:
     if code is None:
         m = re.search(r"\(os error (\d+)\)", str(e))
         code = int(m.group(1)) if m else None
-    return code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+    # ENOTDIR: a cache path below a file (MIXSERVE_*_CACHE pointing into one)
+    return code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR)
 
 
 def note_unkept(what: str, why: str) -> None:

@@ -67,11 +67,15 @@ def compare_along(ours: list[int], ref_logits: torch.Tensor) -> Comparison:
     near tie that float rounding order may flip). Stricter than compare_greedy, which stops at the
     first divergence: every position is checked, each given our own tokens before it. `position`
     and `gap`: the first failing position, else the first near tie used."""
+    if not ours or len(ours) != len(ref_logits):
+        return Comparison(False, False, False, 0, None)  # nothing compared, or misaligned
     first_tie = None
     for i, t in enumerate(ours):
         row = ref_logits[i]
         top = float(row.max())
         gap = top - float(row[t])
+        if gap != gap:  # a NaN in the reference's row: nothing can be judged there
+            return Comparison(False, False, first_tie is not None, i, gap)
         if gap > 0:
             if gap >= TIE_GAP:
                 return Comparison(False, False, first_tie is not None, i, gap)

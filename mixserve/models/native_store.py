@@ -11,7 +11,9 @@ built, and later starts read that file instead of the GGUF.
 The store is keyed by the file (resolved path, size, modification time) and the layout's version
 (`LAYOUT`); the key is written inside it too, with a digest of 16 stretches of the file's bytes
 (`content_sample`), so a store copied in from another file, or kept for a file since replaced with
-the same size and time, is not taken; once a new store is written, the stores of the same path's
+the same size and time, is not taken (where the file's inode or change time differ from those
+recorded, as a copy into an image or an overwrite that set the time back makes them, the whole
+file's sha256 decides: ~0.5 s a GB); once a new store is written, the stores of the same path's
 earlier versions are removed (packed_weights.remove_stale). Every tensor's checksum and the description's (types, shapes,
 config) are checked at load (packed_weights.read_store): one missing or failing (a cut, corrupt or
 foreign file) and the GGUF is read and repacked again, and the store rewritten. The write is a temporary folder renamed into place (env.publish_dir); where the cache
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,6 +65,21 @@ def content_sample(gguf_path: str | Path, pieces: int = 16, size: int = 1 << 16)
     return h.hexdigest()
 
 
+def file_digest(gguf_path: str | Path) -> str:
+    """sha256 of the whole file (~0.5 s per GB here): checked only where the file's inode or change
+    time differ from those the store recorded, which a copy into an image or a hard link also does."""
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _inode(gguf_path: str | Path) -> list[int]:
+    st = os.stat(gguf_path)
+    return [st.st_ino, st.st_ctime_ns]
+
+
 def store_path(gguf_path: str | Path) -> Path:
     """Where the native layout of `gguf_path` is kept: `<cache root>/native/<file name>-<key>`
     ($MIXSERVE_NATIVE_CACHE in place of `<cache root>/native`). Raises OSError where the file
@@ -90,6 +108,21 @@ def load(path: Path, gguf_path: str | Path) -> tuple[ModelConfig, dict, dict] | 
         if facts["source"] != source_id(gguf_path) or facts["sample"] != content_sample(gguf_path):
             log.warning("the native layout in %s was written for another file (%s); repacking", path, facts["source"])
             return None
+        if facts["inode"][:2] != _inode(gguf_path):
+            # the same path, size and time, but not the same inode (a copy that kept the time, an
+            # image) or changed since (an overwrite that set the time back): the content decides
+            t0 = time.perf_counter()
+            same = file_digest(gguf_path) == facts["inode"][2]
+            log.info("%s: its inode or change time differ from the kept layout's; content %s (%.1f s)",
+                     Path(gguf_path).name, "the same" if same else "changed", time.perf_counter() - t0)
+            if not same:
+                log.warning("the native layout in %s was written for another content of %s; repacking", path,
+                            gguf_path)
+                return None
+        index = facts["tensors"]
+        if set(index) != set(tensors) or any(index[n] != [str(t.dtype), list(t.shape), meta[n]]
+                                             for n, t in tensors.items()):
+            raise ValueError("its tensors are not the ones it lists (names, dtypes, shapes, checksums)")
         weights: dict = {name: tensors[name] for name in facts["floats"]}
         for name, (qtype, n, k, group, superblock, hb, zero, empty) in facts["quantized"].items():
             parts = {t: torch.empty(0, dtype=getattr(torch, empty[t])) if t in empty else tensors[f"{name}#{t}"]
@@ -98,7 +131,7 @@ def load(path: Path, gguf_path: str | Path) -> tuple[ModelConfig, dict, dict] | 
                 raise ValueError(f"{name}: a plane of another row count than {n}")
             weights[name] = GGUFWeight(qtype, n, k, parts, group, superblock, hb, zero)
         return ModelConfig(**facts["config"]), weights, facts["types"]
-    except (KeyError, ValueError, TypeError) as e:  # a tensor failed its checksum, or damaged metadata
+    except Exception as e:  # noqa: BLE001 -- a tensor failed its checksum, or damaged metadata: repack
         log.warning("the native layout in %s is incomplete or damaged (%s: %s); repacking", path, type(e).__name__, e)
         return None
 
@@ -126,8 +159,11 @@ def save_in_background(path: Path, gguf_path: str | Path, cfg: ModelConfig, weig
             tensors[name] = w.contiguous()
             floats.append(name)
     facts = {"source": source_id(gguf_path), "sample": content_sample(gguf_path), "config": asdict(cfg),
-             "types": types, "floats": floats, "quantized": quantized}
-    text = json.dumps(facts)
-    return packed_weights.save_tensors_in_background(
-        path, tensors, {META: text, META + "sha256": hashlib.sha256(text.encode()).hexdigest()}, WHAT,
-        slot=str(Path(gguf_path).resolve()))
+             "types": types, "floats": floats, "quantized": quantized,
+             "tensors": {n: [str(t.dtype), list(t.shape), packed_weights.checksum(t)] for n, t in tensors.items()}}
+
+    def meta() -> dict[str, str]:  # on the writer's thread: the whole file's digest is ~0.5 s a GB
+        facts["inode"] = _inode(gguf_path) + [file_digest(gguf_path)]
+        text = json.dumps(facts)
+        return {META: text, META + "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return packed_weights.save_tensors_in_background(path, tensors, meta, WHAT, slot=str(Path(gguf_path).resolve()))

@@ -118,10 +118,10 @@ def save_in_background(path: Path, model, slot: str | None = None) -> threading.
     return save_tensors_in_background(path, tensors, {}, "packed weights", slot=slot)
 
 
-def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str],
-                               what: str, slot: str | None = None) -> threading.Thread:
+def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], meta, what: str,
+                               slot: str | None = None) -> threading.Thread:
     """Write `tensors` (contiguous, none sharing memory) with `meta` (string keys other than the
-    tensors' names) and each tensor's checksum to a store at `path` on a daemon thread, replacing
+    tensors' names; or a function returning them, called on the writer's thread) and each tensor's checksum to a store at `path` on a daemon thread, replacing
     what is there. publish_dir: a temporary folder renamed into place, so a process that exits
     first leaves nothing that a later start would read. Where the cache root cannot be written,
     `what` is named as not kept (env.note_unkept). `slot`: what the store stands for apart from
@@ -140,9 +140,9 @@ def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], met
         from mixserve.models.weights import _write_done
 
         def fill(tmp: Path) -> None:
-            extra = {SLOT: slot} if slot is not None else {}
+            extra = {**(meta() if callable(meta) else meta), **({SLOT: slot} if slot is not None else {})}
             save_file(tensors, str(tmp / FILE),
-                      metadata={**meta, **extra, **{n: checksum(t) for n, t in tensors.items()}})
+                      metadata={**extra, **{n: checksum(t) for n, t in tensors.items()}})
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(tmp / FILE, 0o666 & ~umask)  # safetensors writes 0600: other users' starts read it too

@@ -29,6 +29,7 @@ def test_smollm2_cache_hits_equal_hf(smollm2_path):
     assert outs[0].metrics["cached_tokens"] > 0 and outs[1].metrics["cached_tokens"] > 0
     assert outs[2].metrics["cached_tokens"] > len(a.prompt_token_ids)  # generated blocks reused
     for o in [a] + outs:
+        assert len(o.token_ids) == 32
         c = compare_along(o.token_ids, hf_logits_along(hf, o.prompt_token_ids, o.token_ids))
         assert c.ok, f"not HF's greedy token at {c.position}: {c.gap} below its top logit"
 

@@ -116,6 +116,13 @@ def test_a_cut_corrupt_or_foreign_store_is_repacked_and_rewritten(gguf_file, tmp
     os.utime(gguf_file, ns=(st.st_atime_ns, st.st_mtime_ns))
     rewritten()
 
+    # the same content under a new inode with the same time (a copy that kept it, as an image's): taken,
+    # after the whole file's digest
+    copy = tmp_path / "copy.gguf"
+    shutil.copy2(gguf_file, copy)
+    os.replace(copy, gguf_file)
+    assert native_store.load(store, gguf_file) is not None
+
     # foreign: the store of another file (same content, another path) put in this one's place
     other = shutil.copy(gguf_file, tmp_path / "other.gguf")
     _start(other)
