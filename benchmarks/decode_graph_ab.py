@@ -6,7 +6,7 @@ forced (`--kernels decode_graph=compiled`; Inductor's cache makes later rounds l
 `steps` decode steps per case on dummy rows at a 128-token context (engine/decode_graph.dummy_decode_steps),
 the median of all but the first 4. Ratios within a round are what to read: the machines are noisy.
 
-    python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2] [--gguf-weights native]
+    python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2] [--gguf-weights native] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -56,8 +56,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--gguf-weights", default=None, choices=["native", "dequantize"],
                     help="how a GGUF loads (default: the engine's choice for this CPU)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype (default: the engine's)")
     a = ap.parse_args()
     engine = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}
+    if a.dtype:
+        engine["dtype"] = a.dtype
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.machine())
     isa = sorted({f for ln in open("/proc/cpuinfo") if ln.startswith("flags") for f in ln.split()
