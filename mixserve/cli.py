@@ -137,7 +137,8 @@ def cmd_generate(a) -> int:
 def cmd_prepare(a) -> int:
     """Fill every cache the model needs on this machine with these engine settings: its float32
     copy or tokenizer folder, the C++ kernels' builds, the dense weights packed for the invariant
-    GEMM (models/packed_weights.py), every kernel choice measured (whatever
+    GEMM (models/packed_weights.py) or a GGUF's native layout (models/native_store.py; each store
+    written is listed, "kept: ..."), every kernel choice measured (whatever
     $MIXSERVE_KERNEL_TIMING says), and the decode graph compiled into Inductor's cache (or timed
     slower than eager, which is cached as well). Then a request of one prompt token and up to 4
     new ones checks that the engine serves. Exit 0, or 1 where something could not be kept (a read-only or full cache root),
@@ -159,10 +160,12 @@ def cmd_prepare(a) -> int:
     out = llm.generate([[eng.tokenizer.encode("Hello")[0] if eng.tokenizer is not None else 0]],
                        SamplingParams(temperature=0, max_tokens=max(1, min(4, eng.max_model_len - 1)),
                                       ignore_eos=True))[0]
-    from mixserve.models.packed_weights import finish_writing
+    from mixserve.models.packed_weights import finish_writing, kept
 
     finish_writing()  # the packed weights, kept before what was not kept is listed
     print(eng.describe(), file=sys.stderr)
+    for what, path in kept:
+        print(f"kept: {what} in {path}", file=sys.stderr)
     for line in eng.kernels.describe():
         print(f"  kernel {line}", file=sys.stderr)
     lost = unkept()

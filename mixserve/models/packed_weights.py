@@ -38,6 +38,7 @@ FILE = "packed.safetensors"
 SLOT = "__mixserve_slot__"  # metadata: what a store stands for apart from its source's version
 _writing: list[threading.Thread] = []  # save_in_background's threads (finish_writing waits for them)
 _at_exit: list[bool] = []  # non-empty once finish_writing is registered with atexit
+kept: list[tuple[str, Path]] = []  # (what, store) for each store this process wrote (`prepare` lists them)
 
 
 def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | None:
@@ -151,6 +152,7 @@ def save_tensors_in_background(path: Path, tensors: dict[str, torch.Tensor], met
             # replace whatever is there: it was found wanting (cut, foreign, unreadable), or another
             # process wrote the same bits meanwhile
             publish_dir(path, fill, lambda out: False)
+            kept.append((what, path))
             if slot is not None:
                 remove_stale(path, slot)
         except Exception as e:  # noqa: BLE001 -- a cache write: never a reason to fail (safetensors' ENOSPC is its own error)

@@ -159,6 +159,7 @@ def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path
     keys = [k for m in choices["machines"].values() for k in m]
     assert any(k.startswith("decode_graph/") for k in keys), keys
     assert any((root / "mixserve" / "packed").glob("*/packed.safetensors")), "no packed weights kept"
+    assert f"kept: packed weights in {root / 'mixserve' / 'packed'}" in r.stderr, r.stderr[-2000:]
     # timing the graph compiled it, whichever way the timing went
     assert any((root / "mixserve" / "inductor").rglob("*.py")), "prepare compiled no graph into the cache"
     # the graph forced on, so that the read-only start loads it from Inductor's folder
