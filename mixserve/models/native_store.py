@@ -9,11 +9,10 @@ file, packed_weights.FILE, and DONE; about the GGUF's size), on a thread once th
 built, and later starts read that file instead of the GGUF.
 
 The store is keyed by the file (resolved path, size, modification time) and the layout's version
-(`LAYOUT`); the key is written inside it too, with a digest of 16 stretches of the file's bytes
-(`content_sample`), so a store copied in from another file, or kept for a file since replaced with
-the same size and time, is not taken (where the file's inode or change time differ from those
-recorded, as a copy into an image or an overwrite that set the time back makes them, the whole
-file's sha256 decides: ~0.5 s a GB); once a new store is written, the stores of the same path's
+(`LAYOUT`); the key is written inside it too, so a store copied in from another file is not
+taken. Where the file's inode or change time differ from those recorded (a copy into an image, an
+overwrite that set the modification time back: no write leaves the change time as it was), the
+whole file's sha256, written beside them, decides (~0.5 s a GB); once a new store is written, the stores of the same path's
 earlier versions are removed (packed_weights.remove_stale). Every tensor's checksum and the description's (types, shapes,
 config) are checked at load (packed_weights.read_store): one missing or failing (a cut, corrupt or
 foreign file) and the GGUF is read and repacked again, and the store rewritten. The write is a temporary folder renamed into place (env.publish_dir); where the cache
@@ -50,19 +49,6 @@ def source_id(gguf_path: str | Path) -> str:
     p = Path(gguf_path).resolve()
     st = p.stat()
     return json.dumps([str(p), st.st_size, st.st_mtime_ns, LAYOUT])
-
-
-def content_sample(gguf_path: str | Path, pieces: int = 16, size: int = 1 << 16) -> str:
-    """sha256 of `pieces` stretches of `size` bytes spread evenly over the file (1 MiB read, a few
-    ms from the page cache): a file replaced in place with the same size and modification time
-    (a copy that kept them) is told apart from the one a store was written for."""
-    h = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        total = f.seek(0, os.SEEK_END)
-        for i in range(pieces):
-            f.seek(max(0, (total - size) * i // max(1, pieces - 1)))
-            h.update(f.read(size))
-    return h.hexdigest()
 
 
 def file_digest(gguf_path: str | Path) -> str:
@@ -105,7 +91,7 @@ def load(path: Path, gguf_path: str | Path) -> tuple[ModelConfig, dict, dict] | 
         if meta.get(META + "sha256") != hashlib.sha256(text.encode()).hexdigest():
             raise ValueError("its description fails its checksum")
         facts = json.loads(text)
-        if facts["source"] != source_id(gguf_path) or facts["sample"] != content_sample(gguf_path):
+        if facts["source"] != source_id(gguf_path):
             log.warning("the native layout in %s was written for another file (%s); repacking", path, facts["source"])
             return None
         if facts["inode"][:2] != _inode(gguf_path):
@@ -158,7 +144,7 @@ def save_in_background(path: Path, gguf_path: str | Path, cfg: ModelConfig, weig
         else:
             tensors[name] = w.contiguous()
             floats.append(name)
-    facts = {"source": source_id(gguf_path), "sample": content_sample(gguf_path), "config": asdict(cfg),
+    facts = {"source": source_id(gguf_path), "config": asdict(cfg),
              "types": types, "floats": floats, "quantized": quantized,
              "tensors": {n: [str(t.dtype), list(t.shape), packed_weights.checksum(t)] for n, t in tensors.items()}}
 
