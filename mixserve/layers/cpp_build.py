@@ -142,8 +142,8 @@ def _import_built(name: str, so, functions: list[str]):
         return None
 
 
-# what our kernels use of ATen, and no more: <torch/types.h> (all of ATen's ops, ATen.h) took 11.1 s
-# of each build's compile on the 2-core EPYC, these 7.0 s (issue 32: three builds on a cold start)
+# what our kernels use of ATen, and no more: <torch/types.h> (all of ATen's ops, ATen.h) took 11.8 s
+# of each build's compile on the 2-core EPYC, these 7.5 s (benchmarks/cpp_headers.py; issue 32)
 LITE_HEAD = """#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

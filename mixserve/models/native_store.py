@@ -2,7 +2,8 @@
 start (issue 32).
 
 Loading a GGUF natively parses its header (the vocabulary's 151k strings: 2.2 s for the 0.5B on
-a 2-core EPYC) and repacks every quantized tensor into the kernel's planes (4.1 s), each start.
+a 2-core EPYC) and repacks every quantized tensor into the kernel's planes (7.2 s for both;
+benchmarks/native_load.py), each start.
 The first start therefore writes the repacked tensors, the float ones (norms, biases), the model's
 config and the file's block-type counts to a folder under `<cache root>/native/` (one safetensors
 file, packed_weights.FILE, and DONE; about the GGUF's size), on a thread once the weights are
