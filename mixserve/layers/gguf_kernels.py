@@ -3,7 +3,7 @@
 Two variants of the kernel, chosen by the build's instruction set: AVX512-VNNI (`vpdpbusd`) and
 AVX2 (`vpmaddubsw` + `vpmaddwd`, issue 43; `MIXSERVE_ISA=avx2` forces it). They compute the same
 integer group sums and then the same float steps in the same order (written at the top of `_SRC`),
-so they give the same bits; above 4 activation rows the AVX2 variant's many-row kernel unpacks each
+so they give the same bits; above 4 activation rows each variant's many-row kernel unpacks each
 weight tile once, with the same steps, so a row's bits do not depend on the row count.
 
 Every GGUF weight type mixserve runs natively (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; formats in
@@ -239,9 +239,86 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
   });
 }
 
+// The many-row kernel on AVX512-VNNI (issue 43: prefill and wide decode steps), run_many2's tiling:
+// a tile of TW weight rows is unpacked once (U: per row, block and step, the 64-byte vector `unpack`
+// gives, qa at step p and qb at p + G/8; S: per row and block, s then m) and every activation row
+// runs against it, four at a time. Each (activation row, weight row) result is `run`'s: the same
+// integers (one int32 sum of both steps' products instead of `run`'s two added at the end: integer
+// adds in any order give the same int32) and the same float steps in the same order, so a row's
+// output is the same bits at every row count.
+template <int R, int G, int HB>
+static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_t nw, const int8_t* xp,
+                      const __m512* dxv, const __m512* xsv, float* y, int64_t ystride) {
+  const int64_t nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4);
+  for (int64_t i = 0; i < nw; i += 2) {
+    const int64_t j = std::min<int64_t>(i + 1, nw - 1);
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i* u0 = U + i * urow + b * (G / 4);
+      const __m512i* u1 = U + j * urow + b * (G / 4);
+      __m512i i0[R], i1[R];
+      for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
+      for (int64_t p = 0; p < G / 8; ++p) {
+        const __m512i qa0 = u0[p], qb0 = u0[p + G / 8], qa1 = u1[p], qb1 = u1[p + G / 8];
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xp + r * xrow + b * 16 * G;
+          const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
+          i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], qa0, xa), qb0, xb);
+          i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], qa1, xa), qb1, xb);
+        }
+      }
+      const __m512 sv0 = S[(i * nb + b) * 2], mv0 = S[(i * nb + b) * 2 + 1];
+      const __m512 sv1 = S[(j * nb + b) * 2], mv1 = S[(j * nb + b) * 2 + 1];
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
+        acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sv0, dx), _mm512_fmadd_ps(mv0, xs, acc0[r]));
+        acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(sv1, dx), _mm512_fmadd_ps(mv1, xs, acc1[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      y[r * ystride + i] = sum16(acc0[r]);
+      if (j > i) y[r * ystride + j] = sum16(acc1[r]);
+    }
+  }
+}
+
+template <int G, int HB>
+static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ) {
+  // 16 weight rows a tile: 78 KB unpacked at K = 4864, in L2 beside the activations' four rows
+  constexpr int64_t TW = 16;
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4);
+  at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<__m512i> U(TW * urow);
+    std::vector<__m512> S(TW * nb * 2);
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t w0 = tile * TW, nw = std::min<int64_t>(TW, N - w0);
+      for (int64_t i = 0; i < nw; ++i)
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+          const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+          block_scales(L, w0 + i, b, S[(i * nb + b) * 2], S[(i * nb + b) * 2 + 1]);
+          for (int64_t p = 0; p < G / 8; ++p)
+            unpack<G, HB>(L, w0 + i, b, p, km, t, U[i * urow + b * (G / 4) + p], U[i * urow + b * (G / 4) + p + G / 8]);
+        }
+      for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
+        const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * nb; const __m512* c = xsv + r0 * nb;
+        float* o = y + r0 * N + w0;
+        switch (std::min<int64_t>(4, RQ - r0)) {
+          case 1: tile_rows<1, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
+          case 2: tile_rows<2, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
+          case 3: tile_rows<3, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
+          default: tile_rows<4, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
+        }
+      }
+    }
+  });
+}
+
 template <int G, int HB>
 static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ,
                      int64_t PF) {
+  if (RQ > 4) return run_many<G, HB>(L, xp, dxv, xsv, y, RQ);
   const int64_t xrow = L.nb * 16 * G;
   for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, RQ - r0);

@@ -148,7 +148,10 @@ def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path
     for k in ("MIXSERVE_KERNEL_CACHE", "MIXSERVE_KERNEL_TIMING", "MIXSERVE_KERNEL_BUDGET", "MIXSERVE_PACKED_CACHE",
               "MIXSERVE_NATIVE_CACHE"):
         e.pop(k, None)
-    engine = ["--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "128"]
+    # dequantized on every CPU (an AVX-512 one loads a GGUF natively by default, and a native GGUF's
+    # float tensors have no packed store): the packed weights are one of the caches checked here
+    engine = ["--model", str(gguf), "--dtype", "float32", "--kv-cache-memory", "4MiB", "--max-model-len", "128",
+              "--gguf-weights", "dequantize"]
     cli = [sys.executable, "-m", "mixserve.cli"]
     r = subprocess.run(cli + ["prepare", *engine], capture_output=True, text=True, env=e, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -172,7 +175,7 @@ def test_prepare_fills_the_caches_and_a_read_only_root_serves_from_them(tmp_path
     from mixserve.llm import LLM
 
     eager = LLM(str(gguf), dtype="float32", kv_cache_memory="4MiB", max_model_len=128, kernels="eager",
-                progress=False).generate(["ab ab"], SamplingParams(temperature=0, max_tokens=12))[0]
+                gguf_weights="dequantize", progress=False).generate(["ab ab"], SamplingParams(temperature=0, max_tokens=12))[0]
     assert ro.stdout == "ab ab" + eager.text + "\n"
     assert "timing kernels" not in ro.stderr and "compiling C++" not in ro.stderr
     assert "decode graph: compiled" in ro.stderr
