@@ -124,6 +124,16 @@ static inline void prefetch_pair(const Layout& L, int64_t n, int64_t N, int64_t 
 }
 #endif
 
+// weight rows per tile of the many-row kernels: as many as ~192 KB of unpacked rows hold (the
+// activation rows are read once per tile, so a 16-row tile read a 512-row prefill's 2.5 MB of
+// activations 600 times for the 1.5B's gate and up), in L2 beside four activation rows on every
+// CPU this project meets (512 KB and up), and at least 4 tiles per thread, so the threads share them
+static inline int64_t tile_width(int64_t N, int64_t K) {
+  const int64_t by_cache = (192 * 1024) / std::max<int64_t>(K, 1);
+  const int64_t by_threads = N / (4 * std::max<int64_t>(at::get_num_threads(), 1));
+  return std::max<int64_t>(2, std::min(by_cache, by_threads) & ~(int64_t)1);
+}
+
 #ifdef GGUF_VNNI
 static inline float sum16(__m512 v) {
   return sum8_tree(_mm256_add_ps(_mm512_castps512_ps256(v),
@@ -243,9 +253,8 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
 // a tile of TW weight rows is unpacked once (U: per row, block and step, the 64-byte vector `unpack`
 // gives, qa at step p and qb at p + G/8; S: per row and block, s then m) and every activation row
 // runs against it, four at a time. Each (activation row, weight row) result is `run`'s: the same
-// integers (one int32 sum of both steps' products instead of `run`'s two added at the end: integer
-// adds in any order give the same int32) and the same float steps in the same order, so a row's
-// output is the same bits at every row count.
+// integer sums and the same float steps in the same order, so a row's output is the same bits at
+// every row count.
 template <int R, int G, int HB>
 static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_t nw, const int8_t* xp,
                       const __m512* dxv, const __m512* xsv, float* y, int64_t ystride) {
@@ -257,16 +266,23 @@ static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_
     for (int64_t b = 0; b < nb; ++b) {
       const __m512i* u0 = U + i * urow + b * (G / 4);
       const __m512i* u1 = U + j * urow + b * (G / 4);
-      __m512i i0[R], i1[R];
-      for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm512_setzero_si512();
+      // `run`'s two sums per pair (the steps p and p + G/8 apart): two chains of dpbusd in flight
+      __m512i ia0[R], ib0[R], ia1[R], ib1[R], i0[R], i1[R];
+      for (int r = 0; r < R; ++r) ia0[r] = ib0[r] = ia1[r] = ib1[r] = _mm512_setzero_si512();
       for (int64_t p = 0; p < G / 8; ++p) {
         const __m512i qa0 = u0[p], qb0 = u0[p + G / 8], qa1 = u1[p], qb1 = u1[p + G / 8];
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = xp + r * xrow + b * 16 * G;
           const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
-          i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], qa0, xa), qb0, xb);
-          i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], qa1, xa), qb1, xb);
+          ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, xa);
+          ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, xb);
+          ia1[r] = _mm512_dpbusd_epi32(ia1[r], qa1, xa);
+          ib1[r] = _mm512_dpbusd_epi32(ib1[r], qb1, xb);
         }
+      }
+      for (int r = 0; r < R; ++r) {
+        i0[r] = _mm512_add_epi32(ia0[r], ib0[r]);
+        i1[r] = _mm512_add_epi32(ia1[r], ib1[r]);
       }
       const __m512 sv0 = S[(i * nb + b) * 2], mv0 = S[(i * nb + b) * 2 + 1];
       const __m512 sv1 = S[(j * nb + b) * 2], mv1 = S[(j * nb + b) * 2 + 1];
@@ -285,9 +301,7 @@ static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_
 
 template <int G, int HB>
 static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ) {
-  // 16 weight rows a tile: 78 KB unpacked at K = 4864, in L2 beside the activations' four rows
-  constexpr int64_t TW = 16;
-  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4);
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4), TW = tile_width(N, L.K);
   at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
     std::vector<__m512i> U(TW * urow);
     std::vector<__m512> S(TW * nb * 2);
@@ -597,9 +611,7 @@ static void tile_rows(const Layout& L, const uint8_t* U, const __m256* S, int64_
 template <int G, int HB>
 static void run_many2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
                       float* y, int64_t RQ) {
-  // 16 weight rows a tile: 78 KB unpacked at K = 4864, in L2 beside the activations' four rows
-  constexpr int64_t TW = 16;
-  const int64_t N = L.N, nb = L.nb, urow = nb * 16 * G, xrow = nb * 16 * G, v = nb * 16;
+  const int64_t N = L.N, nb = L.nb, urow = nb * 16 * G, xrow = nb * 16 * G, v = nb * 16, TW = tile_width(N, L.K);
   at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> U(TW * urow);
     std::vector<__m256> S(TW * nb * 4);
@@ -691,6 +703,55 @@ int64_t isa_level() {
 
 @QUANTIZE_ROW@
 
+#ifdef GGUF_NATIVE
+static inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_hadd_epi32(s, s);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s, s));
+}
+
+// quantize_row<32> eight channels at a time (AVX2, which both variants have): the same operations on
+// each channel (|x|, the block's max, x * inv rounded half to even, NaN to 0, the clamp to +-127,
+// the rest as fma(-q, d, x)), so the same bits; and s16, the sum of q over each 16 channels (exact).
+// A channel at a time it was ~40% of a 512-row call's time on a Zen 5 EPYC (issue 43).
+static void quantize_row32(const float* xr, int64_t K, int8_t* q, float* d, float* rest, int32_t* s16) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const float* xc = xr + c * 32;
+    __m256 v[4], m = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xc + 8 * i);
+      const __m256 a = _mm256_and_ps(v[i], absmask);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and NaN
+      m = _mm256_max_ps(m, a);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
+    float dc = finite == 0xFF ? amax / 127.f : NAN, inv = dc > 0.f ? 1.f / dc : 0.f;
+    if (std::isinf(inv)) dc = inv = 0.f;  // quantize_row's reason
+    d[c] = dc;
+    const __m256 iv = _mm256_set1_ps(inv), dv = _mm256_set1_ps(dc);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 f = _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      f = _mm256_and_ps(f, _mm256_cmp_ps(f, f, _CMP_ORD_Q));
+      f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+      qi[i] = _mm256_cvtps_epi32(f);
+      if (rest) _mm256_storeu_ps(rest + c * 32 + 8 * i, _mm256_fnmadd_ps(f, dv, v[i]));
+    }
+    const __m256i b8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+    _mm256_storeu_si256((__m256i*)(q + c * 32), b8);
+    s16[2 * c] = hsum8(_mm256_add_epi32(qi[0], qi[1]));
+    s16[2 * c + 1] = hsum8(_mm256_add_epi32(qi[2], qi[3]));
+  }
+}
+#endif
+
 // x float [R, K] -> y float [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
                      torch::Tensor dm, torch::Tensor mn, int64_t G, int64_t S, int64_t HB, double z, int64_t levels,
@@ -703,7 +764,10 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   auto y = torch::empty({RQ, L.N}, x.options());
 #ifdef GGUF_NATIVE
   const float* xsrc = x.data_ptr<float>();
-  std::vector<int8_t> xp(RQ * xrow, 0);
+  // 64-byte aligned (a row is whole blocks of 256 or 512 bytes): each step vector one cache line
+  struct alignas(64) Line { int8_t b[64]; };
+  std::vector<Line> xbuf((RQ * xrow + 63) / 64, Line{});
+  int8_t* const xq8 = (int8_t*)xbuf.data();
   // per row, block and group lane: the activation scale, dx * sum(xq) and sum(xq)
   std::vector<float> dxf(RQ * nb * 16, 0.f), xsf(RQ * nb * 16, 0.f);
   std::vector<int32_t> xsi(RQ * nb * 16, 0);
@@ -711,24 +775,22 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
   std::vector<int8_t> xq(K);
   std::vector<float> dx(K / 32), rest(2 * K);
+  std::vector<int32_t> s16(K / 16);
   for (int64_t r = r0; r < r1; ++r) {
     const float* src = xsrc + r * K;
     for (int64_t i = 0; i < levels; ++i) {
       const int64_t row = levels * r + i;
       float* left = rest.data() + (i % 2) * K;
-      quantize_row<32>(src, K, xq.data(), dx.data(), i + 1 < levels ? left : nullptr);
+      quantize_row32(src, K, xq.data(), dx.data(), i + 1 < levels ? left : nullptr, s16.data());
       src = left;
-      int8_t* out = xp.data() + row * xrow;
+      int8_t* out = xq8 + row * xrow;
       for (int64_t b = 0; b < nb; ++b) {
         for (int l = 0; l < 16; ++l) {
           const int64_t g = 16 * b + l, at = (row * nb + b) * 16 + l;
           if (g >= L.ng) continue;
-          int32_t sum = 0;
-          for (int64_t c = 0; c < G; ++c) {  // channel c of group g -> step c / 4, lane l, byte c % 4
-            const int8_t v = xq[g * G + c];
-            out[b * 16 * G + (c / 4) * 64 + 4 * l + (c % 4)] = v;
-            sum += v;
-          }
+          // word s (channels 4s .. 4s + 3) of group g -> step s, lane l
+          for (int64_t w = 0; w < G / 4; ++w) std::memcpy(out + b * 16 * G + w * 64 + 4 * l, xq.data() + g * G + 4 * w, 4);
+          const int32_t sum = G == 32 ? s16[2 * g] + s16[2 * g + 1] : s16[g];
           dxf[at] = dx[g * G / 32];
           xsf[at] = dxf[at] * (float)sum;
           xsi[at] = sum;
@@ -744,9 +806,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
     dxv[i] = _mm512_loadu_ps(dxf.data() + 16 * i);
     xsv[i] = _mm512_loadu_ps(xsf.data() + 16 * i);
   }
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xp.data(), dxv.data(), xsv.data(), yp, RQ, prefetch); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xq8, dxv.data(), xsv.data(), yp, RQ, prefetch); } else
 #else
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xp.data(), dxf.data(), xsf.data(), xsi.data(), yp, RQ, prefetch); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xq8, dxf.data(), xsf.data(), xsi.data(), yp, RQ, prefetch); } else
 #endif
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 2) GGUF_CASE(32, 4)
   GGUF_CASE(16, 0) GGUF_CASE(16, 1) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
