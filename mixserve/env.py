@@ -292,13 +292,38 @@ def cpu_isa_key() -> str:
     return hashlib.sha256(" ".join(isa).encode()).hexdigest()[:8]
 
 
+# the instruction sets a published figure names (what picks mixserve's and oneDNN's kernels)
+_NAMED_ISA = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+              "amx_int8", "amx_bf16")
+
+
+def _family_model() -> str:
+    """/proc/cpuinfo's "cpu family/model" of the first CPU (e.g. "26/2", an AMD Zen 5), "" if unreadable:
+    "AMD EPYC" alone has named Zen 3 and Zen 5 machines here."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    got = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() in ("cpu family", "model") and k.strip() not in got:
+            got[k.strip()] = v.strip()
+        if len(got) == 2:
+            break
+    return f"{got.get('cpu family', '?')}/{got.get('model', '?')}" if got else ""
+
+
 def machine_info() -> dict:
-    """What a published timing must carry: {"cpu": model name, "cores": os.cpu_count(),
-    "torch_threads": torch's intra-op threads, "torch": version, "date": YYYY-MM-DD}."""
+    """What a published timing must carry: {"cpu": model name, "family_model": /proc/cpuinfo's
+    family/model, "isa": the named instruction sets this CPU has (space-separated), "cores":
+    os.cpu_count(), "torch_threads": torch's intra-op threads, "torch": version, "date": YYYY-MM-DD}."""
     import torch
 
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    flags = cpu_flags()
+    return {"cpu": cpu_model(), "family_model": _family_model(), "isa": " ".join(f for f in _NAMED_ISA if f in flags),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d")}
 
 
 def forced_isa() -> str | None:

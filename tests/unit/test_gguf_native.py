@@ -147,6 +147,27 @@ def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
                                              (y != ref).sum().item())
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_second_level_is_the_first_levels_rest_quantized(qtype):
+    """levels=2: the row's first int8 quantization, then what it left over, fma(-q, dx, x) in float32,
+    quantized again, the two products added (the vectorized row quantizer against numpy, for the
+    rest it writes as well as the integers), at 1 and 13 rows."""
+    n, k = shapes(qtype)[0]
+    blocks = random_blocks(qtype, n, k, seed=6)
+    w = GGUFWeight.from_blocks(qtype, blocks, k)
+    f32 = np.float32
+    for rows in (1, 13):
+        x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).numpy()
+        xb = x.reshape(rows, -1, 32)
+        dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
+        inv = np.where(dx > 0, f32(1) / np.where(dx > 0, dx, f32(1)), f32(0)).astype(f32)
+        q = np.rint((xb * inv[..., None]).astype(f32)).astype(f32)
+        rest = _fma32(-q, np.broadcast_to(dx[..., None], q.shape), xb).reshape(rows, k)
+        ref = float_order_reference(qtype, blocks, k, x) + float_order_reference(qtype, blocks, k, rest)
+        y = w.matmul(torch.from_numpy(x), levels=2)
+        assert torch.equal(y, torch.from_numpy(ref)), (qtype, rows, (y.numpy() != ref).sum())
+
+
 @pytest.mark.skipif(gguf_kernels.isa() == "avx2", reason="this CPU's variant is the AVX2 one: the tests above ran it")
 def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
     """MIXSERVE_ISA=avx2 on a CPU with AVX512-VNNI: the AVX2 variant, built on its own, passes the

@@ -519,6 +519,10 @@ def test_pull_smollm2_for_real():
 
 def test_machine_info_names_what_a_timing_needs():
     info = env.machine_info()
-    assert set(info) == {"cpu", "cores", "torch_threads", "torch", "date"}
+    assert set(info) == {"cpu", "family_model", "isa", "cores", "torch_threads", "torch", "date"}
     assert isinstance(info["cpu"], str) and info["cpu"] and info["cores"] >= 1
+    # the ISA is named, not only the model ("AMD EPYC" has come with and without AVX-512)
+    flags = env.cpu_flags()
+    assert ("avx2" in info["isa"].split()) == ("avx2" in flags)
+    assert ("avx512f" in info["isa"].split()) == ("avx512f" in flags)
     assert info["date"].count("-") == 2

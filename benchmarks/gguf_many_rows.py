@@ -1,0 +1,86 @@
+"""The native GGUF kernel at many rows (prefill, wide decode steps) against the dense GEMM (issue 43).
+
+For each (tensor kind, GGUF type) of the model's file, one real tensor is repacked into the native
+layout and timed at --rows activation rows (default 8, 64, 512) the two ways a GGUFLinear can run
+them: the native int8-activation kernel at the engine's levels (what `--batch-invariant on` runs at
+every row count; ACT_LEVELS int8 rows per row) and the weight dequantized to bfloat16 once, then
+F.linear (what `off` runs above its measured switch; the dequantization is not timed). Median of
+--reps calls after one warm-up, on the same machine in one process; a ratio > 1 means the kernel
+is slower.
+
+    flock /tmp/heavy.lock python benchmarks/gguf_many_rows.py --model qwen2.5-coder-0.5b-instruct
+
+Another checkout's kernel (the same script, that checkout's mixserve): `PYTHONPATH=/path/to/old python
+benchmarks/gguf_many_rows.py ...`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mixserve.env import machine_info
+from mixserve.layers import gguf_kernels, gguf_linear
+from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight
+from mixserve.layers.kernel_choice import KernelChooser
+from mixserve.models.registry import resolve_model
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median wall time of `fn()` in milliseconds over `reps` calls, after one warm-up call."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--rows", default="8,64,512")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    info = machine_info()
+    print(json.dumps(info))
+    print(f"native kernel variant: {gguf_kernels.isa()}; int8 levels per row: {gguf_linear.ACT_LEVELS}", flush=True)
+    rows = [int(r) for r in a.rows.split(",")]
+    rd = gguf.GGUFReader(str(resolve_model(a.model).path))
+    chooser, seen, results = KernelChooser(), set(), []
+    for t in rd.tensors:
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        tt = t.tensor_type.name
+        if tt == "F32" or kind in ("token_embd", "output") or (kind, tt) in seen:
+            continue
+        seen.add((kind, tt))
+        k, n = int(t.shape[0]), int(t.shape[1])
+        lin = GGUFLinear([GGUFWeight.from_blocks(tt, np.asarray(t.data), k)], None, torch.bfloat16)
+        gguf_linear.choose(lin, chooser)  # the engine's prefetch pick here
+        lin.dense_rows = lin.float_dense_rows = None  # the kernel at every row count, as invariance runs it
+        dense = lin.dense_weight(torch.bfloat16)
+        row = {"tensor": kind, "type": tt, "shape": f"{n}x{k}"}
+        with torch.inference_mode():
+            for r in rows:
+                x = torch.randn(r, k).to(torch.bfloat16)
+                row[f"kernel_ms_{r}"] = median_ms(lambda: lin(x), a.reps)
+                row[f"dense_ms_{r}"] = median_ms(lambda: F.linear(x, dense), a.reps)
+                row[f"kernel/dense_{r}"] = row[f"kernel_ms_{r}"] / row[f"dense_ms_{r}"]
+        print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
+        results.append(row)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"machine": info, "model": a.model, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
