@@ -120,6 +120,13 @@ static inline void prefetch_pair(const Layout& L, int64_t n, int64_t N, int64_t 
     } else if constexpr (HB > 0) {
       if (p == 0) _mm_prefetch((const char*)(L.hi + row * L.hib + b * (G / 4) * HB * 8), _MM_HINT_T0);
     }
+    if (p == 0) {  // the block's scales: streams of their own, too slow-moving for the hardware prefetcher
+      const int64_t ns = L.K / L.S, sb = 16 * b * L.G / L.S;
+      _mm_prefetch((const char*)(L.d + row * ns + sb), _MM_HINT_T0);
+      if (L.sc) _mm_prefetch((const char*)(L.sc + row * L.ng + 16 * b), _MM_HINT_T0);
+      if (L.dm) _mm_prefetch((const char*)(L.dm + row * ns + sb), _MM_HINT_T0);
+      if (L.mn) _mm_prefetch((const char*)(L.mn + row * L.ng + 16 * b), _MM_HINT_T0);
+    }
   }
 }
 #endif
@@ -140,8 +147,20 @@ static inline float sum16(__m512 v) {
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 
+// whole blocks with plain loads (the masked ones kept this CPU's prefetchers behind, see `unpack`)
 static inline __m512 halves16(const at::Half* p, __mmask16 k) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+  return _mm512_cvtph_ps(k == 0xFFFF ? _mm256_loadu_si256((const __m256i*)p) : _mm256_maskz_loadu_epi16(k, p));
+}
+
+static inline __m128i bytes16(const void* p, __mmask16 k) {
+  return k == 0xFFFF ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8(k, p);
+}
+
+// the super-block scales of lanes 0-7 (p[0]) and 8-15 (p[1], or p[0] again for 16-group super-blocks):
+// two scalar half-to-float conversions, exact as cvtph's
+static inline __m512 super_scales(const at::Half* p, int64_t nsb, int64_t gps) {
+  const float d0 = (float)p[0], d1 = gps == 8 && nsb > 1 ? (float)p[1] : (gps == 8 ? 0.f : d0);
+  return _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
 }
 
 // row n's s_g and m_g for the 16 groups of block b (lanes past the row's groups are zero)
@@ -155,15 +174,12 @@ static inline void block_scales(const Layout& L, int64_t n, int64_t b, __m512& s
     return;
   }
   // K-quants: s_g = d[g / gps] * sc_g, lanes spread from the block's one or two super-blocks
-  const __m512i sel = gps == 8 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                               : _mm512_setzero_si512();
   const int64_t sb = g0 / gps, nsb = std::min<int64_t>((cnt + gps - 1) / gps, ns - sb);
-  const __mmask16 kb = (__mmask16)((1u << nsb) - 1);
-  const __m512 dv = _mm512_permutexvar_ps(sel, halves16(d + sb, kb));
-  sv = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, L.sc + n * L.ng + g0))));
+  const __m512 dv = super_scales(d + sb, nsb, gps);
+  sv = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(L.sc + n * L.ng + g0, k))));
   if (L.mn) {
-    const __m512 dmv = _mm512_permutexvar_ps(sel, halves16(L.dm + n * ns + sb, kb));
-    mv = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, L.mn + n * L.ng + g0))));
+    const __m512 dmv = super_scales(L.dm + n * ns + sb, nsb, gps);
+    mv = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(L.mn + n * L.ng + g0, k))));
   } else {
     mv = _mm512_mul_ps(sv, _mm512_set1_ps(-L.z));
   }
@@ -181,11 +197,15 @@ static inline void unpack(const Layout& L, int64_t n, int64_t b, int64_t p, __mm
                           __m512i& qa, __m512i& qb) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t off = b * 8 * G + p * 4 * t;
-  const __m512i v = _mm512_maskz_loadu_epi8(km, L.lo + n * (L.K / 2) + off);
+  // a whole block with a plain load: masked loads left this CPU's hardware prefetcher behind (a Zen 5
+  // EPYC streamed the 1.5B's weights at ~11 GB/s of its ~50; issue 43)
+  const uint8_t* lp = L.lo + n * (L.K / 2) + off;
+  const __m512i v = t == 16 ? _mm512_loadu_si512(lp) : _mm512_maskz_loadu_epi8(km, lp);
   qa = _mm512_and_si512(v, low);
   qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   if constexpr (HB == 4) {
-    const __m512i h = _mm512_maskz_loadu_epi8(km, L.hi + n * (L.K / 2) + off);
+    const uint8_t* hp = L.hi + n * (L.K / 2) + off;
+    const __m512i h = t == 16 ? _mm512_loadu_si512(hp) : _mm512_maskz_loadu_epi8(km, hp);
     const __m512i top = _mm512_set1_epi8((char)0xF0);
     qa = _mm512_or_si512(qa, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
     qb = _mm512_or_si512(qb, _mm512_and_si512(h, top));
