@@ -50,6 +50,7 @@ _SRC = r"""
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -130,6 +131,18 @@ static inline void prefetch_pair(const Layout& L, int64_t n, int64_t N, int64_t 
   }
 }
 #endif
+
+// f(std::integral_constant<int, R>()) for R = min(4, rr): the row count of a pass as the kernels'
+// template argument
+template <typename F>
+static inline void with_rows(int64_t rr, F&& f) {
+  switch (std::min<int64_t>(4, rr)) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    default: f(std::integral_constant<int, 4>()); break;
+  }
+}
 
 // weight rows per tile of the many-row kernels: as many as ~192 KB of unpacked rows hold (the
 // activation rows are read once per tile, so a 16-row tile read a 512-row prefill's 2.5 MB of
@@ -338,12 +351,7 @@ static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const
       for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
         const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * nb; const __m512* c = xsv + r0 * nb;
         float* o = y + r0 * N + w0;
-        switch (std::min<int64_t>(4, RQ - r0)) {
-          case 1: tile_rows<1, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
-          case 2: tile_rows<2, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
-          case 3: tile_rows<3, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
-          default: tile_rows<4, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); break;
-        }
+        with_rows(RQ - r0, [&](auto R) { tile_rows<decltype(R)::value, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); });
       }
     }
   });
@@ -358,12 +366,7 @@ static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const
     const int64_t rr = std::min<int64_t>(4, RQ - r0);
     const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * L.nb; const __m512* c = xsv + r0 * L.nb;
     float* o = y + r0 * L.N;
-    switch (rr) {
-      case 1: run<1, G, HB>(L, a, b, c, o, L.N, PF); break;
-      case 2: run<2, G, HB>(L, a, b, c, o, L.N, PF); break;
-      case 3: run<3, G, HB>(L, a, b, c, o, L.N, PF); break;
-      default: run<4, G, HB>(L, a, b, c, o, L.N, PF); break;
-    }
+    with_rows(rr, [&](auto R) { run<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF); });
   }
 }
 // dequantization's two variant parts: steps p and p + G/8 of row n's block b into st (64 bytes
@@ -654,12 +657,7 @@ static void run_many2(const Layout& L, const int8_t* xp, const float* dxf, const
         const int8_t* a = xp + r0 * xrow;
         const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
         float* o = y + r0 * N + w0;
-        switch (std::min<int64_t>(4, RQ - r0)) {
-          case 1: tile_rows<1, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
-          case 2: tile_rows<2, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
-          case 3: tile_rows<3, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
-          default: tile_rows<4, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); break;
-        }
+        with_rows(RQ - r0, [&](auto R) { tile_rows<decltype(R)::value, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); });
       }
     }
   });
@@ -675,12 +673,7 @@ static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const
     const int8_t* a = xp + r0 * xrow;
     const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
     float* o = y + r0 * L.N;
-    switch (rr) {
-      case 1: run2<1, G, HB>(L, a, b, c, e, o, L.N, PF); break;
-      case 2: run2<2, G, HB>(L, a, b, c, e, o, L.N, PF); break;
-      case 3: run2<3, G, HB>(L, a, b, c, e, o, L.N, PF); break;
-      default: run2<4, G, HB>(L, a, b, c, e, o, L.N, PF); break;
-    }
+    with_rows(rr, [&](auto R) { run2<decltype(R)::value, G, HB>(L, a, b, c, e, o, L.N, PF); });
   }
 }
 
