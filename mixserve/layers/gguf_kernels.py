@@ -154,6 +154,22 @@ static inline int64_t tile_width(int64_t N, int64_t K) {
   return std::max<int64_t>(2, std::min(by_cache, by_threads) & ~(int64_t)1);
 }
 
+// the many-row kernels' frame: the weight rows in tiles of tile_width(N, K), the tiles split over the
+// threads; per tile, fill(scratch, w0, nw) unpacks weight rows w0 .. w0 + nw - 1 once into the thread's
+// scratch (make(TW) gives it), then rows(scratch, r0, w0, nw) runs activation rows r0 .. r0 + 3 against it
+template <typename Make, typename Fill, typename Rows>
+static void over_tiles(int64_t N, int64_t K, int64_t RQ, Make&& make, Fill&& fill, Rows&& rows) {
+  const int64_t TW = tile_width(N, K);
+  at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
+    auto scratch = make(TW);
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t w0 = tile * TW, nw = std::min<int64_t>(TW, N - w0);
+      fill(scratch, w0, nw);
+      for (int64_t r0 = 0; r0 < RQ; r0 += 4) rows(scratch, r0, w0, nw);
+    }
+  });
+}
+
 #ifdef GGUF_VNNI
 static inline float sum16(__m512 v) {
   return sum8_tree(_mm256_add_ps(_mm512_castps512_ps256(v),
@@ -232,6 +248,36 @@ static inline void unpack(const Layout& L, int64_t n, int64_t b, int64_t p, __mm
   }
 }
 
+// R activation rows' steps p and p + G/8 (x: the block's first byte in row 0) against two weight rows'
+// unpacked steps: each row's integer sums, the two steps in chains of their own
+template <int R, int G>
+static inline void rows_dot(const int8_t* x, int64_t xrow, int64_t p, __m512i qa0, __m512i qb0, __m512i qa1,
+                            __m512i qb1, __m512i* ia0, __m512i* ib0, __m512i* ia1, __m512i* ib1) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xr = x + r * xrow;
+    const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
+    ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, xa);
+    ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, xb);
+    ia1[r] = _mm512_dpbusd_epi32(ia1[r], qa1, xa);
+    ib1[r] = _mm512_dpbusd_epi32(ib1[r], qb1, xb);
+  }
+}
+
+// block b's float step for R activation rows and two weight rows (s, m per weight row), in the order
+// written at the top of this source: acc = fma(float(ia + ib), s * dx, fma(m, xs, acc))
+template <int R>
+static inline void block_steps(const __m512i* ia0, const __m512i* ib0, const __m512i* ia1, const __m512i* ib1,
+                               __m512 sv0, __m512 mv0, __m512 sv1, __m512 mv1, const __m512* dxv,
+                               const __m512* xsv, int64_t nb, int64_t b, __m512* acc0, __m512* acc1) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
+    acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia0[r], ib0[r])), _mm512_mul_ps(sv0, dx),
+                              _mm512_fmadd_ps(mv0, xs, acc0[r]));
+    acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia1[r], ib1[r])), _mm512_mul_ps(sv1, dx),
+                              _mm512_fmadd_ps(mv1, xs, acc1[r]));
+  }
+}
+
 // R activation rows against every weight row, two weight rows a pass sharing each activation load.
 // xp int8 [R, nb * 16G] in step order (lane l of step i = channels l*G + 4i .. + 3 of the block);
 // dxv, xsv [R, nb] vectors: per group lane, the activation scale and dx * sum of the group's xq
@@ -254,25 +300,12 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
           __m512i qa0, qb0, qa1, qb1;
           unpack<G, HB>(L, n, b, p, km, t, qa0, qb0);
           unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xr = xp + r * xrow + b * 16 * G;
-            const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
-            ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, xa);
-            ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, xb);
-            ia1[r] = _mm512_dpbusd_epi32(ia1[r], qa1, xa);
-            ib1[r] = _mm512_dpbusd_epi32(ib1[r], qb1, xb);
-          }
+          rows_dot<R, G>(xp + b * 16 * G, xrow, p, qa0, qb0, qa1, qb1, ia0, ib0, ia1, ib1);
         }
         __m512 sv0, mv0, sv1, mv1;
         block_scales(L, n, b, sv0, mv0);
         block_scales(L, n1, b, sv1, mv1);
-        for (int r = 0; r < R; ++r) {
-          const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
-          acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia0[r], ib0[r])), _mm512_mul_ps(sv0, dx),
-                                    _mm512_fmadd_ps(mv0, xs, acc0[r]));
-          acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia1[r], ib1[r])), _mm512_mul_ps(sv1, dx),
-                                    _mm512_fmadd_ps(mv1, xs, acc1[r]));
-        }
+        block_steps<R>(ia0, ib0, ia1, ib1, sv0, mv0, sv1, mv1, dxv, xsv, nb, b, acc0, acc1);
       }
       for (int r = 0; r < R; ++r) {
         y[r * ystride + n] = sum16(acc0[r]);
@@ -299,31 +332,12 @@ static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_
     for (int64_t b = 0; b < nb; ++b) {
       const __m512i* u0 = U + i * urow + b * (G / 4);
       const __m512i* u1 = U + j * urow + b * (G / 4);
-      // `run`'s two sums per pair (the steps p and p + G/8 apart): two chains of dpbusd in flight
-      __m512i ia0[R], ib0[R], ia1[R], ib1[R], i0[R], i1[R];
+      __m512i ia0[R], ib0[R], ia1[R], ib1[R];
       for (int r = 0; r < R; ++r) ia0[r] = ib0[r] = ia1[r] = ib1[r] = _mm512_setzero_si512();
-      for (int64_t p = 0; p < G / 8; ++p) {
-        const __m512i qa0 = u0[p], qb0 = u0[p + G / 8], qa1 = u1[p], qb1 = u1[p + G / 8];
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xp + r * xrow + b * 16 * G;
-          const __m512i xa = _mm512_loadu_si512(xr + p * 64), xb = _mm512_loadu_si512(xr + (p + G / 8) * 64);
-          ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, xa);
-          ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, xb);
-          ia1[r] = _mm512_dpbusd_epi32(ia1[r], qa1, xa);
-          ib1[r] = _mm512_dpbusd_epi32(ib1[r], qb1, xb);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        i0[r] = _mm512_add_epi32(ia0[r], ib0[r]);
-        i1[r] = _mm512_add_epi32(ia1[r], ib1[r]);
-      }
-      const __m512 sv0 = S[(i * nb + b) * 2], mv0 = S[(i * nb + b) * 2 + 1];
-      const __m512 sv1 = S[(j * nb + b) * 2], mv1 = S[(j * nb + b) * 2 + 1];
-      for (int r = 0; r < R; ++r) {
-        const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
-        acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sv0, dx), _mm512_fmadd_ps(mv0, xs, acc0[r]));
-        acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(sv1, dx), _mm512_fmadd_ps(mv1, xs, acc1[r]));
-      }
+      for (int64_t p = 0; p < G / 8; ++p)
+        rows_dot<R, G>(xp + b * 16 * G, xrow, p, u0[p], u0[p + G / 8], u1[p], u1[p + G / 8], ia0, ib0, ia1, ib1);
+      block_steps<R>(ia0, ib0, ia1, ib1, S[(i * nb + b) * 2], S[(i * nb + b) * 2 + 1], S[(j * nb + b) * 2],
+                     S[(j * nb + b) * 2 + 1], dxv, xsv, nb, b, acc0, acc1);
     }
     for (int r = 0; r < R; ++r) {
       y[r * ystride + i] = sum16(acc0[r]);
@@ -334,27 +348,28 @@ static void tile_rows(const Layout& L, const __m512i* U, const __m512* S, int64_
 
 template <int G, int HB>
 static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ) {
-  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4), TW = tile_width(N, L.K);
-  at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<__m512i> U(TW * urow);
-    std::vector<__m512> S(TW * nb * 2);
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      const int64_t w0 = tile * TW, nw = std::min<int64_t>(TW, N - w0);
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G, urow = nb * (G / 4);
+  struct Tile { std::vector<__m512i> U; std::vector<__m512> S; };
+  over_tiles(N, L.K, RQ,
+    [&](int64_t TW) { return Tile{std::vector<__m512i>(TW * urow), std::vector<__m512>(TW * nb * 2)}; },
+    [&](Tile& T, int64_t w0, int64_t nw) {
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
           const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
-          block_scales(L, w0 + i, b, S[(i * nb + b) * 2], S[(i * nb + b) * 2 + 1]);
+          block_scales(L, w0 + i, b, T.S[(i * nb + b) * 2], T.S[(i * nb + b) * 2 + 1]);
           for (int64_t p = 0; p < G / 8; ++p)
-            unpack<G, HB>(L, w0 + i, b, p, km, t, U[i * urow + b * (G / 4) + p], U[i * urow + b * (G / 4) + p + G / 8]);
+            unpack<G, HB>(L, w0 + i, b, p, km, t, T.U[i * urow + b * (G / 4) + p],
+                          T.U[i * urow + b * (G / 4) + p + G / 8]);
         }
-      for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
-        const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * nb; const __m512* c = xsv + r0 * nb;
-        float* o = y + r0 * N + w0;
-        with_rows(RQ - r0, [&](auto R) { tile_rows<decltype(R)::value, G, HB>(L, U.data(), S.data(), nw, a, b, c, o, N); });
-      }
-    }
-  });
+    },
+    [&](Tile& T, int64_t r0, int64_t w0, int64_t nw) {
+      const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * nb; const __m512* c = xsv + r0 * nb;
+      float* o = y + r0 * N + w0;
+      with_rows(RQ - r0, [&](auto R) {
+        tile_rows<decltype(R)::value, G, HB>(L, T.U.data(), T.S.data(), nw, a, b, c, o, N);
+      });
+    });
 }
 
 template <int G, int HB>
@@ -634,33 +649,33 @@ static void tile_rows(const Layout& L, const uint8_t* U, const __m256* S, int64_
 template <int G, int HB>
 static void run_many2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
                       float* y, int64_t RQ) {
-  const int64_t N = L.N, nb = L.nb, urow = nb * 16 * G, xrow = nb * 16 * G, v = nb * 16, TW = tile_width(N, L.K);
-  at::parallel_for(0, (N + TW - 1) / TW, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> U(TW * urow);
-    std::vector<__m256> S(TW * nb * 4);
-    for (int64_t tile = t0; tile < t1; ++tile) {
-      const int64_t w0 = tile * TW, nw = std::min<int64_t>(TW, N - w0);
+  const int64_t N = L.N, nb = L.nb, urow = nb * 16 * G, xrow = nb * 16 * G, v = nb * 16;
+  struct Tile { std::vector<uint8_t> U; std::vector<__m256> S; };
+  over_tiles(N, L.K, RQ,
+    [&](int64_t TW) { return Tile{std::vector<uint8_t>(TW * urow), std::vector<__m256>(TW * nb * 4)}; },
+    [&](Tile& T, int64_t w0, int64_t nw) {
       for (int64_t i = 0; i < nw; ++i)
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
-          block_scales2(L, w0 + i, b, &S[(i * nb + b) * 4], &S[(i * nb + b) * 4 + 2]);
+          block_scales2(L, w0 + i, b, &T.S[(i * nb + b) * 4], &T.S[(i * nb + b) * 4 + 2]);
           for (int h = 0; h < 2; ++h)
             for (int64_t p = 0; p < G / 8; ++p) {
               __m256i qa, qb;
               unpack2<G, HB>(L, w0 + i, b, p, t, h, qa, qb);
-              uint8_t* u = U.data() + i * urow + ((b * 2 + h) * (G / 8) + p) * 64;
+              uint8_t* u = T.U.data() + i * urow + ((b * 2 + h) * (G / 8) + p) * 64;
               _mm256_storeu_si256((__m256i*)u, qa);
               _mm256_storeu_si256((__m256i*)(u + 32), qb);
             }
         }
-      for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
-        const int8_t* a = xp + r0 * xrow;
-        const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
-        float* o = y + r0 * N + w0;
-        with_rows(RQ - r0, [&](auto R) { tile_rows<decltype(R)::value, G, HB>(L, U.data(), S.data(), nw, a, b, c, e, o, N); });
-      }
-    }
-  });
+    },
+    [&](Tile& T, int64_t r0, int64_t w0, int64_t nw) {
+      const int8_t* a = xp + r0 * xrow;
+      const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
+      float* o = y + r0 * N + w0;
+      with_rows(RQ - r0, [&](auto R) {
+        tile_rows<decltype(R)::value, G, HB>(L, T.U.data(), T.S.data(), nw, a, b, c, e, o, N);
+      });
+    });
 }
 
 template <int G, int HB>
