@@ -4,9 +4,9 @@ For each (tensor kind, GGUF type) of the model's file, one real tensor is repack
 layout and timed at --rows activation rows (default 8, 64, 512) the two ways a GGUFLinear can run
 them: the native int8-activation kernel at the engine's levels (what `--batch-invariant on` runs at
 every row count; ACT_LEVELS int8 rows per row) and the weight dequantized to bfloat16 once, then
-F.linear (what `off` runs above its measured switch; the dequantization is not timed). Median of
---reps calls after one warm-up, on the same machine in one process; a ratio > 1 means the kernel
-is slower.
+F.linear (what `off` runs above its measured switch; the dequantization is not timed), each timed by
+kernel_choice.time_calls on the same copy (the median of passes), in one process; a ratio > 1 means the
+kernel is slower.
 
     flock /tmp/heavy.lock python benchmarks/gguf_many_rows.py --model qwen2.5-coder-0.5b-instruct
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import gguf
 import numpy as np
@@ -28,26 +26,14 @@ import torch.nn.functional as F
 from mixserve.env import machine_info
 from mixserve.layers import gguf_kernels, gguf_linear
 from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight
-from mixserve.layers.kernel_choice import KernelChooser
+from mixserve.layers.kernel_choice import KernelChooser, time_calls
 from mixserve.models.registry import resolve_model
-
-
-def median_ms(fn, reps: int) -> float:
-    """Median wall time of `fn()` in milliseconds over `reps` calls, after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--rows", default="8,64,512")
-    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -72,8 +58,8 @@ def main() -> None:
         with torch.inference_mode():
             for r in rows:
                 x = torch.randn(r, k).to(torch.bfloat16)
-                row[f"kernel_ms_{r}"] = median_ms(lambda: lin(x), a.reps)
-                row[f"dense_ms_{r}"] = median_ms(lambda: F.linear(x, dense), a.reps)
+                row[f"kernel_ms_{r}"] = 1e3 * time_calls([lin, lin], lambda m: m(x))
+                row[f"dense_ms_{r}"] = 1e3 * time_calls([dense, dense], lambda w: F.linear(x, w))
                 row[f"kernel/dense_{r}"] = row[f"kernel_ms_{r}"] / row[f"dense_ms_{r}"]
         print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
         results.append(row)
