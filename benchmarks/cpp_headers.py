@@ -1,6 +1,7 @@
 """Compile time of our C++ kernels' headers (issue 32): an empty translation unit with the headers
 `<torch/types.h>` brought (the old head) and with layers/cpp_build.LITE_HEAD, then each kernel's
-whole source with LITE_HEAD, `g++ -O3 -march=native -fopenmp` as the builds run it, alternated.
+whole source with LITE_HEAD, then the three as one unit (cpp_build.bundle_source, what a start
+builds), `g++ -O3 -march=native -fopenmp` as the builds run it, alternated.
 
     python benchmarks/cpp_headers.py [--rounds 2]
 """
@@ -47,8 +48,11 @@ def main() -> int:
         old = compile_s(OLD_HEAD + "\nint x;\n", incs)
         lite = compile_s(cpp_build.LITE_HEAD + "\nint x;\n", incs)
         whole = {k: compile_s(cpp_build._lite_source("mixserve_x", src, fns), incs) for k, (src, fns) in kernels.items()}
+        bundle = compile_s(cpp_build.bundle_source([cpp_build.Kernel(f"mixserve_{k}", src, tuple(fns))
+                                                    for k, (src, fns) in kernels.items()]), incs)
         print(f"round {r + 1}: empty unit, old head {old:.1f}, LITE_HEAD {lite:.1f}; whole kernels with LITE_HEAD: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in whole.items()))
+              + ", ".join(f"{k} {v:.1f}" for k, v in whole.items())
+              + f" (sum {sum(whole.values()):.1f}); the three as one unit {bundle:.1f}")
     return 0
 
 

@@ -4,6 +4,7 @@ Each is a plain shared library (ATen, `torch::` types and the op registry, no py
 took 32 s on a 2-core AVX2 EPYC against 139 s with `<torch/extension.h>`, benchmarks/startup.py),
 loaded with torch.ops.load_library; the functions a caller names are registered as ops
 `torch.ops.<name>.<function>`. A kernel whose instructions (`needs`) this CPU lacks is not built.
+The kernels every CPU start needs (BUNDLED) are one library, so the torch headers are parsed once.
 
 A kernel is compiled for this machine (-march=native) into `<cache root>/kernels/torch-<version>`;
 `MIXSERVE_NO_CPP_KERNELS=1` or a failed build (no compiler, no headers) gives None, and callers
@@ -17,6 +18,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,18 +41,60 @@ def build_extension(name: str, source: str, functions: list[str], needs: frozens
     so a process after the first imports the built library directly instead of asking
     load_inline, which spends ~20 s re-checking the build every time.
 
+    A kernel of BUNDLED is built with the others of BUNDLED, as one library (`bundle_source`): the
+    first to be asked for builds them all, later calls get theirs from it.
+
     A build happens in a temporary folder renamed into place once the library loads, so a build
     that fails or is killed leaves no folder that a later start would take as built; a library
     already there that does not load (truncated, foreign) is built again (issue 46)."""
     if name in _built:
         return _built[name]
+    bundle = _bundle_with(name)
+    key = BUNDLE_NAME if bundle else name
     with _guard:
-        lock = _building.setdefault(name, threading.Lock())
+        lock = _building.setdefault(key, threading.Lock())
     with lock:
         if name not in _built:
-            _built[name] = _build_or_load(name, source, functions, needs, extra_flags)
+            if bundle:
+                _built.update(_build_or_load_bundle(bundle))
+            else:
+                _built.update(_build_or_load(name, [Kernel(name, source, tuple(functions), needs, extra_flags)],
+                                             extra_flags))
     return _built[name]
 
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C++ kernel: its op namespace `name`, its `source` (which may start with
+    `#include <torch/extension.h>`, replaced by LITE_HEAD), the `functions` registered as
+    `torch.ops.<name>.<function>`, the CPU flags it `needs` (/proc/cpuinfo's names) and its own
+    compiler flags."""
+    name: str
+    source: str
+    functions: tuple[str, ...]
+    needs: frozenset[str] = frozenset()
+    extra_flags: tuple[str, ...] = ()
+
+
+# The kernels a CPU start builds, compiled as one translation unit: each build of its own parsed
+# the torch headers again (3.0 s of 4.2-8.4 s each on a 2-core Zen 5 EPYC); one unit took 10.4 s
+# against 16.9 s for the three (benchmarks/cpp_headers.py; issue 32). Each module has `kernel()`.
+BUNDLED = ("mixserve.layers.gguf_kernels", "mixserve.layers.paged_decode", "mixserve.layers.invariant_linear")
+BUNDLE_NAME = "mixserve_kernels"
+
+
+def _bundle_with(name: str) -> list[Kernel] | None:
+    """BUNDLED's kernels as this process builds them (the GGUF kernel's depends on $MIXSERVE_ISA),
+    where `name` is one of them; else None."""
+    import importlib
+
+    kernels = [importlib.import_module(m).kernel() for m in BUNDLED]
+    return kernels if any(k.name == name for k in kernels) else None
+
+
+def _build_or_load_bundle(kernels: list[Kernel]) -> dict[str, object]:
+    flags = tuple(dict.fromkeys(f for k in kernels for f in k.extra_flags))
+    return _build_or_load(BUNDLE_NAME, kernels, flags)
 
 def build_in_background(loaders) -> list[threading.Thread]:
     """Call each of `loaders` (a kernel module's `build`: build_extension only, no op registration,
@@ -97,47 +141,54 @@ def wait_for_background_builds(timeout: float | None = None) -> None:
             _background.remove(t)
 
 
-def _build_or_load(name: str, source: str, functions: list[str], needs: frozenset[str], extra: tuple[str, ...] = ()):
+def _build_or_load(lib: str, kernels: list[Kernel], extra: tuple[str, ...] = ()) -> dict[str, object]:
+    """{kernel name: its ops, or None} for `kernels` built (or loaded) as the library `lib`."""
     flags = cpu_flags()
-    if needs and flags and not set(needs) <= flags:
-        # a CPU without them (/proc/cpuinfo's names): no ~20 s build only to learn the kernel cannot
-        # run here; where the flags are unreadable the build and the kernel's own check decide
-        log.info("C++ kernel %s: this CPU lacks %s; not built", name, ", ".join(sorted(set(needs) - flags)))
-        return None
-    mod = None
+    out: dict[str, object] = {k.name: None for k in kernels}
+    lacking = {k.name: set(k.needs) - flags for k in kernels if k.needs and flags and not set(k.needs) <= flags}
+    for k, miss in lacking.items():
+        # a CPU without them (/proc/cpuinfo's names): no build only to learn the kernel cannot run
+        # here; where the flags are unreadable the build and the kernel's own check decide
+        log.info("C++ kernel %s: this CPU lacks %s; not built", k, ", ".join(sorted(miss)))
+    kernels = [k for k in kernels if k.name not in lacking]
+    if not kernels:
+        return out
     t0 = time.perf_counter()
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
-        digest = hashlib.sha256((_lite_source(name, source, functions) + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
-        build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{name}-{digest}"
+        text = bundle_source(kernels) if lib == BUNDLE_NAME else _lite_source(lib, kernels[0].source,
+                                                                              list(kernels[0].functions))
+        ops = {k.name: list(k.functions) for k in kernels}
+        digest = hashlib.sha256((text + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
+        build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{lib}-{digest}"
         try:
-            mod = _import_built(name, build / f"{name}.so", functions)
-            if mod is None:
+            mods = _import_built(lib, build / f"{lib}.so", ops)
+            if mods is None:
                 try:
-                    mod = _build(name, source, functions, build, extra)
+                    mods = _build(lib, text, ops, build, extra)
                 except Exception as e:  # noqa: BLE001 -- OSError, or another carrying the OS's (cannot_write)
                     if not cannot_write(e):
                         raise
                     # a read-only or full cache root: built for this process only
-                    note_unkept(f"C++ kernel {name}", f"{build.parent}: {getattr(e, 'strerror', None) or e}")
-                    mod = _build(name, source, functions, scratch_dir() / "kernels" / build.name, extra)
+                    note_unkept(f"C++ kernel {lib}", f"{build.parent}: {getattr(e, 'strerror', None) or e}")
+                    mods = _build(lib, text, ops, scratch_dir() / "kernels" / build.name, extra)
+            out.update(mods)
         except Exception as e:  # no compiler, no headers: the eager path still works
-            log.warning("C++ kernel %s unavailable (%s); using eager ops", name, e)
-            mod = None
+            log.warning("C++ kernel %s unavailable (%s); using eager ops", lib, e)
     startup.add("C++ kernels", time.perf_counter() - t0)
-    return mod
+    return out
 
 
-def _import_built(name: str, so, functions: list[str]):
-    """The module in an already built library, or None where there is none or it does not load
-    (then its folder is removed, to be built again)."""
+def _import_built(lib: str, so, ops: dict[str, list[str]]):
+    """{kernel name: its ops} from an already built library, or None where there is none or it does
+    not load (then its folder is removed, to be built again)."""
     if not so.exists():
         return None
     try:
         torch.ops.load_library(str(so))
-        return _Ops(name, functions)
+        return {name: _Ops(name, functions) for name, functions in ops.items()}
     except Exception as e:  # noqa: BLE001 -- a truncated or foreign .so: rebuild, never keep failing
-        log.warning("C++ kernel %s: the cached build %s does not load (%s); building it again", name, so, e)
+        log.warning("C++ kernel %s: the cached build %s does not load (%s); building it again", lib, so, e)
         shutil.rmtree(so.parent, ignore_errors=True)
         return None
 
@@ -165,6 +216,31 @@ def _lite_source(name: str, source: str, functions: list[str]) -> str:
     return f"{body}\nTORCH_LIBRARY({name}, m) {{\n{defs}\n}}\n"
 
 
+def bundle_source(kernels: list[Kernel]) -> str:
+    """`kernels` as one translation unit: LITE_HEAD once, then their other `#include`s, then each
+    kernel's code in a C++ namespace of its own (their helpers share names) with its `functions`
+    registered as `torch.ops.<name>.<function>`. Raises ValueError for an `#include` that is not at
+    the start of a line before any code (it cannot move out of its namespace)."""
+    heads: list[str] = []
+    units = []
+    for k in kernels:
+        body, code = [], False
+        for line in k.source.splitlines():
+            if line.startswith("#include") and not code:
+                if "<torch/extension.h>" not in line and line not in heads:
+                    heads.append(line)
+                continue
+            if "#include" in line:
+                raise ValueError(f"C++ kernel {k.name}: an #include after its code: {line.strip()}")
+            code = code or bool(line.strip())
+            body.append(line)
+        ns = f"k_{k.name}"
+        defs = "\n".join(f'  m.def("{f}", &{ns}::{f});' for f in k.functions)
+        units.append(f"namespace {ns} {{\n" + "\n".join(body) + f"\n}}  // namespace {ns}\n"
+                     f"TORCH_LIBRARY({k.name}, m) {{\n{defs}\n}}\n")
+    return "\n".join([LITE_HEAD, *heads, *units])
+
+
 class _Ops:
     """The functions of a library built by `_lite_source`, called through its op namespace."""
 
@@ -174,27 +250,27 @@ class _Ops:
             setattr(self, f, getattr(ns, f))
 
 
-def _build(name: str, source: str, functions: list[str], build, extra: tuple[str, ...] = ()):
+def _build(lib: str, text: str, ops: dict[str, list[str]], build, extra: tuple[str, ...] = ()):
     from torch.utils.cpp_extension import load_inline
 
-    log.warning("compiling C++ kernel %s (once per machine and source; cached in %s)", name, build.parent)
+    log.warning("compiling C++ kernel %s (once per machine and source; cached in %s)", lib, build.parent)
     remove_stale_tmp(build)
     shutil.rmtree(build, ignore_errors=True)  # a folder without a loadable library: not a build
     tmp = tmp_sibling(build)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        load_inline(name, cpp_sources=_lite_source(name, source, functions), extra_cflags=list(_FLAGS + extra),
+        load_inline(lib, cpp_sources=text, extra_cflags=list(_FLAGS + extra),
                     extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False,
                     is_python_module=False, no_implicit_headers=True)
-        mod = _Ops(name, functions)
+        mods = {name: _Ops(name, functions) for name, functions in ops.items()}
         try:
             tmp.rename(build)
         except OSError:  # another process finished the same build first: keep theirs
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return mod
+    return mods
 
 
 # C++ shared by the int8-activation kernels (layers/int4_vnni.py, layers/gguf_kernels.py): one

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from mixserve.env import cpu_flags, forced_isa
-from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, build_extension
+from mixserve.layers.cpp_build import QUANTIZE_ROW_SRC, Kernel, build_extension
 
 
 _SRC = r"""
@@ -927,12 +927,17 @@ NEEDS = frozenset({"avx2", "fma", "f16c"})
 ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 
 
+def kernel() -> Kernel:
+    """This kernel as this process builds it (one of cpp_build.BUNDLED)."""
+    if forced_isa() == "avx2":  # -march=native less AVX-512: the AVX2 variant, in a build of its own
+        return Kernel("mixserve_gguf_v5_avx2", _SRC, ("available", "isa_level"), NEEDS, ("-mno-avx512f",))
+    return Kernel("mixserve_gguf_v5", _SRC, ("available", "isa_level"), NEEDS)
+
+
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
-    if forced_isa() == "avx2":  # -march=native less AVX-512: the AVX2 variant, in a build of its own
-        return build_extension("mixserve_gguf_v5_avx2", _SRC, ["available", "isa_level"], needs=NEEDS,
-                               extra_flags=("-mno-avx512f",))
-    return build_extension("mixserve_gguf_v5", _SRC, ["available", "isa_level"], needs=NEEDS)
+    k = kernel()
+    return build_extension(k.name, k.source, list(k.functions), needs=k.needs, extra_flags=k.extra_flags)
 
 
 VNNI_NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # what -march=native needs to build the VNNI variant

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.layers.cpp_build import build_extension
+from mixserve.layers.cpp_build import Kernel, build_extension
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -208,9 +208,15 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("inv_linear", &inv_linear); }
 _state: dict = {}
 
 
+def kernel() -> Kernel:
+    """This kernel as cpp_build builds it (one of cpp_build.BUNDLED)."""
+    return Kernel("mixserve_inv_linear_v4", _SRC, ("available",))
+
+
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
-    return build_extension("mixserve_inv_linear_v4", _SRC, ["available"])
+    k = kernel()
+    return build_extension(k.name, k.source, list(k.functions))
 
 
 def _load():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mixserve.layers.cpp_build import build_extension
+from mixserve.layers.cpp_build import Kernel, build_extension
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -284,9 +284,15 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, m) { m.impl("paged_decode_attention", &paged_d
 _fake_registered = False
 
 
+def kernel() -> Kernel:
+    """This kernel as cpp_build builds it (one of cpp_build.BUNDLED)."""
+    return Kernel("mixserve_paged_decode_v6", _SRC, ("paged_decode", "paged_rows"))
+
+
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
-    return build_extension("mixserve_paged_decode_v6", _SRC, ["paged_decode", "paged_rows"])
+    k = kernel()
+    return build_extension(k.name, k.source, list(k.functions))
 
 
 def _load():

@@ -344,7 +344,7 @@ def test_a_cpu_without_the_instructions_builds_nothing(monkeypatch):
     builds = []
     monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
     monkeypatch.setattr(cpp_build, "_import_built", lambda *a: None)
-    monkeypatch.setattr(cpp_build, "_build", lambda name, *a: builds.append(name) or "module")
+    monkeypatch.setattr(cpp_build, "_build", lambda name, text, ops, *a: builds.append(name) or dict.fromkeys(ops, "module"))
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx2", "fma"})
     assert cpp_build.build_extension("mixserve_test_needs", "// src", ["f"], needs=frozenset({"avx512_vnni"})) is None
     assert builds == []
@@ -410,3 +410,47 @@ def test_a_kernel_built_in_the_background_is_built_once(tmp_path, monkeypatch):
     t[0].join(10)
     assert calls == ["mixserve-kernel-build-0"]
     cpp_build._built.pop("mixserve_test_k3")
+
+
+def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp_path, monkeypatch):
+    """cpp_build.BUNDLED: asking for one of them builds them all in one compile (one parse of the
+    torch headers, issue 32), later calls load nothing more; a kernel whose instructions this CPU
+    lacks is left out of the library."""
+    import torch.utils.cpp_extension as ext
+
+    from mixserve.layers import cpp_build, gguf_kernels, invariant_linear, paged_decode
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
+    monkeypatch.delenv("MIXSERVE_ISA", raising=False)
+    monkeypatch.setattr(cpp_build, "_built", {})
+    sources = []
+
+    def fake_load_inline(name, build_directory, cpp_sources, **k):
+        sources.append(cpp_sources)
+        open(f"{build_directory}/{name}.so", "wb").write(b"\x7fELF")
+        return "module"
+    monkeypatch.setattr(ext, "load_inline", fake_load_inline)
+    monkeypatch.setattr(cpp_build, "_Ops", lambda name, functions: f"ops of {name}")
+    names = [m.kernel().name for m in (gguf_kernels, paged_decode, invariant_linear)]
+    assert paged_decode.build() == f"ops of {names[1]}"
+    assert gguf_kernels.build() == f"ops of {names[0]}" and invariant_linear.build() == f"ops of {names[2]}"
+    assert len(sources) == 1 and all(f"TORCH_LIBRARY({n}, m)" in sources[0] for n in names)
+    assert sources[0].count("#include <torch/library.h>") == 1  # the heavy headers once
+    assert next((tmp_path / "mixserve" / "kernels").glob(f"torch-*/*/{cpp_build.BUNDLE_NAME}-*")).is_dir()
+    # an AVX-only CPU: the GGUF kernel (AVX2, FMA, F16C) is not in its library
+    monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx", "sse4_2"})
+    assert gguf_kernels.build() is None and paged_decode.build() == f"ops of {names[1]}"
+    assert len(sources) == 2 and f"TORCH_LIBRARY({names[0]}, m)" not in sources[1]
+
+
+def test_a_bundled_kernel_may_not_include_a_header_inside_its_code():
+    from mixserve.layers.cpp_build import Kernel, bundle_source
+
+    ok = bundle_source([Kernel("a", "#include <cmath>\nint f() { return 1; }", ("f",)),
+                        Kernel("b", "#include <cmath>\n#include <vector>\nint f() { return 2; }", ("f",))])
+    assert ok.count("#include <cmath>") == 1 and ok.index("#include <vector>") < ok.index("namespace k_a {")
+    assert "m.def(\"f\", &k_b::f);" in ok
+    with pytest.raises(ValueError, match="an #include after its code"):
+        bundle_source([Kernel("c", "int g();\n#include <vector>\n", ("g",))])

@@ -98,11 +98,11 @@ def test_a_cpp_build_the_root_cannot_keep_is_built_in_scratch(tmp_path, monkeypa
     monkeypatch.setattr(cpp_build, "_built", {})
     places = []
 
-    def build(name, source, functions, folder, extra=()):
+    def build(name, source, ops, folder, extra=()):
         places.append(folder)
         if len(places) == 1:
             raise OSError(errno.EROFS, "Read-only file system", str(folder))
-        return "module"
+        return dict.fromkeys(ops, "module")
     monkeypatch.setattr(cpp_build, "_build", build)
     assert cpp_build.build_extension("ro_probe", "int f(int x) { return x; }", ["f"]) == "module"
     assert places[0].is_relative_to(tmp_path / "xdg") and places[1].is_relative_to(env.scratch_dir())
