@@ -147,13 +147,15 @@ class LLMEngine:
             if m is not None and self.device.type != "cpu":
                 m.place(self.device, None if args.kernels == "eager" else self.kernels)
             elif hasattr(m, "choose_kernels"):
-                store = (packed_weights.store_path(folder, self.dtype, getattr(m, "quant", None))
-                         if self.batch_invariant and folder is not None else None)
+                # a GGUF loaded natively: keyed by its file (its folder holds only the tokenizer)
+                source = getattr(m, "source_file", None) or folder
+                store = (packed_weights.store_path(source, self.dtype, getattr(m, "quant", None))
+                         if self.batch_invariant and source is not None else None)
                 fresh = m.choose_kernels(self.kernels, batch_invariant=self.batch_invariant,
                                          packed=packed_weights.load(store))
                 if fresh and store is not None:
                     self.packed_saves.append(packed_weights.save_in_background(
-                        store, m, packed_weights.slot(folder, self.dtype, getattr(m, "quant", None))))
+                        store, m, packed_weights.slot(source, self.dtype, getattr(m, "quant", None))))
         self.kernel_choice_s = time.perf_counter() - t1
         startup.mark("kernel choices")
         # The draft's cache holds as many tokens as the target's, so the budget is split in

@@ -75,6 +75,14 @@ def _bit_planes(parts: list[np.ndarray], hb: int) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
+def require_kernel() -> None:
+    """Load the native kernel (registering the ops GGUFWeight's methods call), waiting for its
+    build. Raises RuntimeError where it is not available on this machine."""
+    if not gguf_kernels.available():
+        raise RuntimeError("the native GGUF kernel is not available on this machine (needs AVX2, FMA and F16C, and "
+                           "a C++ compiler); load with gguf_weights='dequantize'")
+
+
 class GGUFWeight:
     """One GGUF tensor [N, K] (N output rows, K input channels) in the native layout.
 
@@ -86,9 +94,8 @@ class GGUFWeight:
     TENSORS = ("lo", "hi", "d", "sc", "dm", "mn")
 
     def __init__(self, qtype: str, n: int, k: int, tensors: dict, group: int, superblock: int, hb: int, zero: int):
-        if not gguf_kernels.available():  # registers the ops the methods call
-            raise RuntimeError("the native GGUF kernel is not available on this machine (needs AVX2, FMA and F16C, and "
-                               "a C++ compiler); load with gguf_weights='dequantize'")
+        # no wait for the kernel here: a cold start repacks the file while the kernel builds; the
+        # modules that run it (GGUFLinear, GGUFEmbedding) and random_weight ask for it
         self.qtype, self.out_features, self.in_features = qtype, n, k
         self.group, self.superblock, self.hb, self.zero = group, superblock, hb, zero
         self.prefetch = 0  # row pairs ahead the kernel prefetches (0: the hardware's alone); chosen by timing
@@ -179,6 +186,7 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
+        require_kernel()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("GGUFLinear: parts differ in input size")
         self.parts = parts
@@ -250,6 +258,7 @@ class GGUFEmbedding(nn.Module):
 
     def __init__(self, weight: GGUFWeight, dtype: torch.dtype):
         super().__init__()
+        require_kernel()
         self.weight_q, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
@@ -278,7 +287,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 
 
 def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
-    """A GGUFWeight [n, k] of `qtype` from `random_blocks`."""
+    """A GGUFWeight [n, k] of `qtype` from `random_blocks`. Raises RuntimeError as require_kernel."""
+    require_kernel()
     return GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed), k)
 
 

@@ -34,14 +34,24 @@ def is_awq_folder(spec: str) -> bool:
 GGUF_WEIGHTS = ("native", "dequantize")
 
 
-def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
+def use_native_gguf(gguf_weights: str | None, quantization: str | None, built: bool = True) -> bool:
     """Whether a GGUF file loads with its quantized weights as stored (layers/gguf_linear.py).
 
     gguf_weights: "native", "dequantize", or None (native where the kernel's AVX512-VNNI variant
     runs on this machine and no int4 quantization is asked for: RTN and AWQ start from the
     dequantized weights; its AVX2 variant is asked for by "native", gguf_kernels.default_native).
+    built=False: decided from the CPU's flags alone, without waiting for the kernel's build (the
+    loader reads and repacks the file beside it, then asks again with built=True).
     Raises ValueError for another value, or "native" with quantization or without the kernel."""
     from mixserve.layers import gguf_kernels
+
+    if not built:
+        flags = gguf_kernels.cpu_flags()
+        runs = not flags or gguf_kernels.NEEDS <= flags
+        if gguf_weights == "native" and not quantization and runs:
+            return True
+        if gguf_weights is None:
+            return quantization is None and runs and gguf_kernels.may_default_native()
 
     if gguf_weights not in (None, *GGUF_WEIGHTS):
         raise ValueError(f"gguf_weights: must be native or dequantize (got {gguf_weights!r})")
@@ -58,7 +68,10 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None) -> bool:
     return quantization is None and gguf_kernels.default_native()
 
 
-def _load_native_gguf(path, dtype, max_positions, progress):
+def _load_native_gguf(path, dtype, max_positions, progress, kernel_runs=lambda: True):
+    """(cfg, model, tokenizer, folder) of a GGUF loaded natively, or None where `kernel_runs()`,
+    asked once the weights are read (it waits for the kernel's build), says the native kernel
+    does not run here after all (its build failed: the caller dequantizes)."""
     from mixserve.layers import gguf_kernels
     from mixserve.models import native_store
     from mixserve.models.weights import gguf_meta_dir, read_gguf_native
@@ -83,6 +96,11 @@ def _load_native_gguf(path, dtype, max_positions, progress):
             cfg, _, weights, types = read_gguf_native(path, progress=progress)
             native_store.save_in_background(store, path, cfg, weights, types)
             source = "repacked from the file"
+        if not kernel_runs():
+            log.warning("the native GGUF kernel is not available here after all (%s); dequantizing %s",
+                        gguf_kernels.why_not_native(), Path(path).name)
+            concurrent.futures.wait([tok_later])
+            return None
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
@@ -92,6 +110,7 @@ def _load_native_gguf(path, dtype, max_positions, progress):
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
                            f"int8-activation kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
                            f"dequantized to {dtype}; {source}")
+    model.source_file = Path(path)  # what its float linears' packed copies are kept under (packed_weights)
     del weights
     startup.mark("weights")
     folder, tok = tok_later.result()
@@ -135,8 +154,12 @@ def load_model(spec: str, dtype: torch.dtype, max_positions: int | None = None, 
     r = resolve_model(spec)
     if r.kind != "gguf" and gguf_weights == "native":
         raise ValueError(f"gguf_weights native: {spec} is not a GGUF file ({r.kind}); leave --gguf-weights unset")
-    if r.kind == "gguf" and use_native_gguf(gguf_weights, quantization):
-        return _load_native_gguf(r.path, dtype, max_positions, progress)
+    if r.kind == "gguf" and use_native_gguf(gguf_weights, quantization, built=False):
+        # the file is read and repacked while the kernel builds (a cold start: ~10 s each here)
+        loaded = _load_native_gguf(r.path, dtype, max_positions, progress,
+                                   lambda: use_native_gguf(gguf_weights, quantization))
+        if loaded is not None:
+            return loaded
     folder = convert_gguf(r.path, progress=progress) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
     quant = QuantSpec.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))

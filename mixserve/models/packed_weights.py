@@ -43,9 +43,10 @@ kept: list[tuple[str, Path]] = []  # (what, store) for each store this process w
 
 def store_path(folder: str | Path, dtype: torch.dtype, quant=None) -> Path | None:
     """Where the packed weights of the model loaded from `folder` (an HF folder: its *.safetensors
-    files) in `dtype` are kept: under $MIXSERVE_PACKED_CACHE, else `<cache root>/packed`; None where
-    the folder has no safetensors (a GGUF loaded natively)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    files; or a GGUF file loaded natively, whose float linears are packed too) in `dtype` are kept:
+    under $MIXSERVE_PACKED_CACHE, else `<cache root>/packed`; None where the folder has no
+    safetensors."""
+    files = [Path(folder)] if Path(folder).is_file() else sorted(Path(folder).glob("*.safetensors"))
     if not files:
         return None
     ident = []

@@ -138,3 +138,40 @@ def test_a_script_that_exits_while_the_store_is_written_exits_cleanly(tiny, tmp_
     r = subprocess.run([sys.executable, "-c", code, str(tiny)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
     assert list((tmp_path / "packed").rglob(packed_weights.FILE))
+
+
+def test_a_gguf_loaded_natively_keeps_its_float_linears_packed_too(tmp_path, monkeypatch):
+    """A GGUF's F32/F16 linears run the invariant GEMM when the file loads natively: their packed
+    copies are kept under the file's identity (its folder holds only the tokenizer), so a later
+    start maps them instead of packing again, with the same bits."""
+    from mixserve.layers import gguf_kernels
+    from tests.tiny_gguf import VOCAB, write_float_gguf
+
+    if not gguf_kernels.available():
+        pytest.skip("native GGUF kernel needs AVX2 (or AVX512-VNNI)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = write_float_gguf(tmp_path / "float.gguf")
+
+    def start():
+        from mixserve.models import native_store  # noqa: F401 -- its store is written beside
+
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="2MiB", progress=False, gguf_weights="native",
+                  graph_warmup="off")
+        for t in llm.engine.packed_saves:
+            t.join(60)
+        packed_weights.finish_writing()
+        assert "GGUF weights native" in llm.engine.describe()
+        import numpy as np
+
+        ids = np.random.default_rng(3).integers(2, VOCAB, (3, 12)).tolist()
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+        return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    first, ref = start()
+    assert len(first.engine.packed_saves) == 1  # packed anew, and kept
+    import torch
+
+    store = packed_weights.store_path(path, torch.float32)
+    assert store is not None and packed_weights.load(store)
+    second, out = start()
+    assert second.engine.packed_saves == [] and out == ref
