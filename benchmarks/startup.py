@@ -14,7 +14,7 @@ spawning the process to its exit, and when each phase ended, counted from the pr
 
 Phases: imports (torch and mixserve, until the engine starts), weights (read, convert or repack,
 map), tokenizer, kernel choices, decode graph (compile or load), first token, last token; sums:
-C++ kernels (build or load) and kernel timing. Run one heavy thing at a time: the figures are
+C++ kernels (build or load, wall), the C++ compiler's CPU seconds and kernel timing. Run one heavy thing at a time: the figures are
 wall times on a shared machine.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("imports", "weights", "tokenizer", "kernel choices", "decode graph", "first token", "last token")
-SUMS = ("C++ kernels", "kernel timing")
+SUMS = ("C++ kernels", "C++ compiler CPU", "kernel timing")
 
 
 def machine_cache() -> Path:
