@@ -4,7 +4,8 @@ at 1 and 8 rows (issue 32: a start-up change may not cost decode speed).
 Each round starts one fresh process per checkout (PYTHONPATH points at it), loads the model with the graph
 forced (`--kernels decode_graph=compiled`; Inductor's cache makes later rounds load it), and times
 `steps` decode steps per case on dummy rows at a 128-token context (engine/decode_graph.dummy_decode_steps),
-the median of all but the first 4. Ratios within a round are what to read: the machines are noisy.
+the median of all but the first 4. Ratios within a round are what to read: the machines are noisy;
+the order within a round alternates.
 
     python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2] [--gguf-weights native] [--dtype bfloat16]
 """
@@ -68,9 +69,15 @@ def main() -> int:
     print(f"machine: {cpu} ({' '.join(isa)}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; "
           "ms per decode step (median)")
     for i in range(a.rounds):
-        old = run(os.path.abspath(a.old), a.model, a.steps, engine)
-        new = run(os.path.abspath(a.new), a.model, a.steps, engine)
-        print(f"round {i + 1}: " + ", ".join(f"{k} {old[k]} -> {new[k]} ({new[k] / old[k]:.2f}x)" for k in old))
+        # the order alternates (old first on odd rounds): the second process of a pair met a
+        # warmer machine in earlier runs
+        if i % 2 == 0:
+            old = run(os.path.abspath(a.old), a.model, a.steps, engine)
+            new = run(os.path.abspath(a.new), a.model, a.steps, engine)
+        else:
+            new = run(os.path.abspath(a.new), a.model, a.steps, engine)
+            old = run(os.path.abspath(a.old), a.model, a.steps, engine)
+        print(f"round {i + 1} ({'old' if i % 2 == 0 else 'new'} first): " + ", ".join(f"{k} {old[k]} -> {new[k]} ({new[k] / old[k]:.2f}x)" for k in old))
     return 0
 
 

@@ -84,11 +84,14 @@ BUNDLE_NAME = "mixserve_kernels"
 
 
 def _bundle_with(name: str) -> list[Kernel] | None:
-    """BUNDLED's kernels as this process builds them (the GGUF kernel's depends on $MIXSERVE_ISA),
-    where `name` is one of them; else None."""
+    """BUNDLED's kernels as this process builds them (the GGUF kernel's depends on $MIXSERVE_ISA
+    and the CPU), where `name` is one of them; else None."""
     import importlib
 
-    kernels = [importlib.import_module(m).kernel() for m in BUNDLED]
+    mods = [importlib.import_module(m) for m in BUNDLED]
+    # a module may stay out where starts do not usually need it (`bundled()`): the GGUF kernel on a
+    # CPU that dequantizes GGUF files by default; it is then built alone where asked for
+    kernels = [m.kernel() for m in mods if getattr(m, "bundled", lambda: True)()]
     return kernels if any(k.name == name for k in kernels) else None
 
 

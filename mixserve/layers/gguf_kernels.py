@@ -934,6 +934,14 @@ def kernel() -> Kernel:
     return Kernel("mixserve_gguf_v5", _SRC, ("available", "isa_level"), NEEDS)
 
 
+def bundled() -> bool:
+    """Whether this kernel is built with the others of cpp_build.BUNDLED: where GGUF files load
+    natively by default (may_default_native). Elsewhere (an AVX2-only CPU, MIXSERVE_ISA=avx2) a
+    start dequantizes by default and would compile it for nothing; `--gguf-weights native` builds
+    it alone."""
+    return may_default_native()
+
+
 def build():
     """The built library (cpp_build.build_extension), nothing registered: what may run on another thread."""
     k = kernel()

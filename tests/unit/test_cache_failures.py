@@ -432,6 +432,7 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
         return "module"
     monkeypatch.setattr(ext, "load_inline", fake_load_inline)
     monkeypatch.setattr(cpp_build, "_Ops", lambda name, functions: f"ops of {name}")
+    monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: True)  # GGUF files load natively here
     names = [m.kernel().name for m in (gguf_kernels, paged_decode, invariant_linear)]
     assert paged_decode.build() == f"ops of {names[1]}"
     assert gguf_kernels.build() == f"ops of {names[0]}" and invariant_linear.build() == f"ops of {names[2]}"
@@ -443,6 +444,14 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx", "sse4_2"})
     assert gguf_kernels.build() is None and paged_decode.build() == f"ops of {names[1]}"
     assert len(sources) == 2 and f"TORCH_LIBRARY({names[0]}, m)" not in sources[1]
+    # a CPU that dequantizes GGUF files by default: the GGUF kernel is left out, built alone if asked for
+    monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: False)
+    assert invariant_linear.build() == f"ops of {names[2]}" and len(sources) == 3
+    assert f"TORCH_LIBRARY({names[0]}, m)" not in sources[2] and f"TORCH_LIBRARY({names[1]}, m)" in sources[2]
+    assert gguf_kernels.build() == f"ops of {names[0]}" and len(sources) == 4
+    assert f"TORCH_LIBRARY({names[0]}, m)" in sources[3] and f"namespace k_{names[0]}" not in sources[3]  # its own
 
 
 def test_a_bundled_kernel_may_not_include_a_header_inside_its_code():
