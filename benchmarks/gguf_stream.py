@@ -7,9 +7,11 @@ the median of passes over the copies, as the engine's kernel choices time):
   - cached: the same copy every call (it stays in L2/L3): what the kernel's arithmetic allows;
   - sum: torch's `t.sum()` over float32 buffers of the same size, in turn: what a plain stream reads.
 GB/s = the weight's resident bytes per call / seconds; --prefetch lists the kernel's prefetch distances
-(row pairs ahead; 0: the hardware prefetcher alone).
+(row pairs ahead; 0: the hardware prefetcher alone). --model 0.5b takes the 0.5B's shapes instead
+(K = 896 and 4864: rows whose last block is partial) and its LM head at three levels; the dram copies
+are then as many as make ~96 MB, past this project's CPUs' last-level caches.
 
-    flock /tmp/heavy.lock python benchmarks/gguf_stream.py
+    flock /tmp/heavy.lock python benchmarks/gguf_stream.py [--model 0.5b]
 Another checkout's kernel: `PYTHONPATH=/path/to/old python benchmarks/gguf_stream.py`.
 """
 from __future__ import annotations
@@ -24,13 +26,18 @@ from mixserve.layers import gguf_kernels, gguf_linear
 from mixserve.layers.gguf_linear import random_weight
 from mixserve.layers.kernel_choice import time_calls
 
-SHAPES = (("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960), ("Q8_0", 8960, 1536), ("Q5_0", 8960, 1536))
+SHAPES = {"1.5b": (("Q4_K", 17920, 1536, None), ("Q6_K", 1536, 8960, None), ("Q8_0", 8960, 1536, None),
+                   ("Q5_0", 8960, 1536, None)),
+          # the 0.5B's gate+up, down (Q4_K and Q6_K layers), o_proj, and its tied Q8_0 LM head (float32 logits)
+          "0.5b": (("Q5_0", 9728, 896, None), ("Q4_K", 896, 4864, None), ("Q6_K", 896, 4864, None),
+                   ("Q5_0", 896, 896, None), ("Q8_0", 151936, 896, 3))}
 COPIES = 6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefetch", default="0,8")
+    ap.add_argument("--model", default="1.5b", choices=sorted(SHAPES))
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -38,20 +45,23 @@ def main() -> None:
     print(json.dumps(info))
     print(f"native kernel variant: {gguf_kernels.isa()}; int8 levels: {gguf_linear.ACT_LEVELS}", flush=True)
     rows = []
-    for qt, n, k in SHAPES:
-        ws = [random_weight(qt, n, k, seed=i) for i in range(COPIES)]
+    for qt, n, k, levels in SHAPES[a.model]:
+        nbytes = random_weight(qt, 2, k).nbytes() * n // 2
+        copies = COPIES if a.model == "1.5b" else max(2, -(-96_000_000 // nbytes))
+        ws = [random_weight(qt, n, k, seed=i) for i in range(copies)]
         nbytes = ws[0].nbytes()
         x = torch.randn(1, k)
+        lv = levels or gguf_linear.ACT_LEVELS
 
         def call(w):
-            w.matmul(x, levels=gguf_linear.ACT_LEVELS)
-        row = {"type": qt, "shape": f"{n}x{k}", "bytes": nbytes}
+            w.matmul(x, levels=lv)
+        row = {"type": qt, "shape": f"{n}x{k}", "levels": lv, "bytes": nbytes}
         for pf in (int(p) for p in a.prefetch.split(",")):
             for w in ws:
                 w.prefetch = pf
             row[f"dram_GBps_pf{pf}"] = nbytes / time_calls(ws, call) / 1e9
             row[f"cached_GBps_pf{pf}"] = nbytes / time_calls([ws[0], ws[0]], call) / 1e9
-        bufs = [torch.ones(nbytes // 4) for _ in range(COPIES)]
+        bufs = [torch.ones(nbytes // 4) for _ in range(copies)]
         row["sum_GBps"] = nbytes / time_calls(bufs, lambda b: b.sum()) / 1e9
         del ws, bufs
         print(json.dumps({k2: round(v, 1) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)

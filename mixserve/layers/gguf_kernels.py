@@ -220,21 +220,33 @@ static inline __mmask64 mask_at(const uint8_t* p) {
   return _cvtu64_mask64(u);
 }
 
-// steps p and p + G/8 of row n's block b: the unsigned integers, lane l byte j = channel l*G + 4*step + j
+// whether a 64-byte load anywhere in row n of the integer planes (lo, and hi where HB == 4) stays
+// inside its tensor: at least 64 bytes of rows after it
+static inline bool may_read_past(const Layout& L, int64_t n) { return (L.N - 1 - n) * (L.K / 2) >= 64; }
+
+// steps p and p + G/8 of row n's block b: the unsigned integers, lane l byte j = channel l*G + 4*step + j.
+// past: a last block of t < 16 groups may be read whole too, its lanes from t on holding the bytes
+// after it (where may_read_past(L, n)): the matmul's activations are zero in those lanes,
+// so their integer sums are exactly zero whatever the bytes (the dequantization asks for zeros)
 template <int G, int HB>
 static inline void unpack(const Layout& L, int64_t n, int64_t b, int64_t p, __mmask64 km, int64_t t,
-                          __m512i& qa, __m512i& qb) {
+                          __m512i& qa, __m512i& qb, bool past = false) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int64_t off = b * 8 * G + p * 4 * t;
-  // a whole block with a plain load: masked loads left this CPU's hardware prefetcher behind (a Zen 5
-  // EPYC streamed the 1.5B's weights at ~11 GB/s of its ~50; issue 43)
+  // plain loads wherever they may read: masked loads left this CPU's hardware prefetcher behind (a
+  // Zen 5 EPYC streamed the 1.5B's weights at ~11 GB/s of its ~50; the 0.5B's K = 896 rows are 12
+  // of 28 groups in a last block; issue 43)
+  // (the types without high bits, Q4_0/Q4_1/Q4_K, keep the masked load: read whole, the 0.5B's Q4_K
+  // 896x4864 ran at 15-16 GB/s against 22-29 masked, benchmarks/gguf_stream.py's shapes by hand;
+  // Q5_0 9728x896 at 36-37 against 14-25)
+  const bool whole = t == 16 || (past && HB != 0);
   const uint8_t* lp = L.lo + n * (L.K / 2) + off;
-  const __m512i v = t == 16 ? _mm512_loadu_si512(lp) : _mm512_maskz_loadu_epi8(km, lp);
+  const __m512i v = whole ? _mm512_loadu_si512(lp) : _mm512_maskz_loadu_epi8(km, lp);
   qa = _mm512_and_si512(v, low);
   qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
   if constexpr (HB == 4) {
     const uint8_t* hp = L.hi + n * (L.K / 2) + off;
-    const __m512i h = t == 16 ? _mm512_loadu_si512(hp) : _mm512_maskz_loadu_epi8(km, hp);
+    const __m512i h = whole ? _mm512_loadu_si512(hp) : _mm512_maskz_loadu_epi8(km, hp);
     const __m512i top = _mm512_set1_epi8((char)0xF0);
     qa = _mm512_or_si512(qa, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
     qb = _mm512_or_si512(qb, _mm512_and_si512(h, top));
@@ -288,6 +300,7 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
   at::parallel_for(0, (N + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t pr = p0; pr < p1; ++pr) {
       const int64_t n = 2 * pr, nn = std::min<int64_t>(2, N - n), n1 = nn > 1 ? n + 1 : n;
+      const bool past0 = may_read_past(L, n), past1 = may_read_past(L, n1);
       __m512 acc0[R], acc1[R];
       for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
@@ -298,8 +311,8 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
         for (int64_t p = 0; p < G / 8; ++p) {
           if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
           __m512i qa0, qb0, qa1, qb1;
-          unpack<G, HB>(L, n, b, p, km, t, qa0, qb0);
-          unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1);
+          unpack<G, HB>(L, n, b, p, km, t, qa0, qb0, past0);
+          unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1, past1);
           rows_dot<R, G>(xp + b * 16 * G, xrow, p, qa0, qb0, qa1, qb1, ia0, ib0, ia1, ib1);
         }
         __m512 sv0, mv0, sv1, mv1;
@@ -360,7 +373,7 @@ static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const
           block_scales(L, w0 + i, b, T.S[(i * nb + b) * 2], T.S[(i * nb + b) * 2 + 1]);
           for (int64_t p = 0; p < G / 8; ++p)
             unpack<G, HB>(L, w0 + i, b, p, km, t, T.U[i * urow + b * (G / 4) + p],
-                          T.U[i * urow + b * (G / 4) + p + G / 8]);
+                          T.U[i * urow + b * (G / 4) + p + G / 8], may_read_past(L, w0 + i));
         }
     },
     [&](Tile& T, int64_t r0, int64_t w0, int64_t nw) {
