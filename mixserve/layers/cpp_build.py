@@ -83,16 +83,40 @@ BUNDLED = ("mixserve.layers.gguf_kernels", "mixserve.layers.paged_decode", "mixs
 BUNDLE_NAME = "mixserve_kernels"
 
 
-def _bundle_with(name: str) -> list[Kernel] | None:
-    """BUNDLED's kernels as this process builds them (the GGUF kernel's depends on $MIXSERVE_ISA
-    and the CPU), where `name` is one of them; else None."""
+_bundle: list[Kernel] | None = None  # this process's bundle, decided once (fix_bundle)
+
+
+def fix_bundle(without: tuple[str, ...] = ()) -> None:
+    """Decide this process's bundle now, leaving out the kernels of the BUNDLED modules named in
+    `without` (a start that will not run them: a model that is no GGUF file); a no-op once decided.
+    A module may also stay out by itself where starts do not usually need it (`bundled()`: the GGUF
+    kernel on a CPU that dequantizes GGUF files by default). A kernel left out is built alone where
+    asked for. Decided once, because a kernel loaded from one library and again from another
+    registers its ops twice, which aborts the process ($MIXSERVE_ISA changed in between, say).
+    A module that cannot say (an invalid $MIXSERVE_ISA) stays out, and raises where asked for."""
     import importlib
 
-    mods = [importlib.import_module(m) for m in BUNDLED]
-    # a module may stay out where starts do not usually need it (`bundled()`): the GGUF kernel on a
-    # CPU that dequantizes GGUF files by default; it is then built alone where asked for
-    kernels = [m.kernel() for m in mods if getattr(m, "bundled", lambda: True)()]
-    return kernels if any(k.name == name for k in kernels) else None
+    global _bundle
+    with _guard:
+        if _bundle is not None:
+            return
+        kernels = []
+        for m in BUNDLED:
+            if m in without:
+                continue
+            try:
+                mod = importlib.import_module(m)
+                if getattr(mod, "bundled", lambda: True)():
+                    kernels.append(mod.kernel())
+            except ValueError as e:
+                log.warning("C++ kernel bundle: %s left out (%s)", m, e)
+        _bundle = kernels
+
+
+def _bundle_with(name: str) -> list[Kernel] | None:
+    """This process's bundle (fix_bundle), where `name` is one of its kernels; else None."""
+    fix_bundle()
+    return _bundle if any(k.name == name for k in _bundle) else None
 
 
 def _build_or_load_bundle(kernels: list[Kernel]) -> dict[str, object]:
@@ -135,6 +159,16 @@ def build_in_background(loaders) -> list[threading.Thread]:
 _background: list[threading.Thread] = []
 
 
+def _children_now() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+_children_cpu = [_children_now()]  # RUSAGE_CHILDREN's CPU seconds when last counted (_build)
+
+
 def wait_for_background_builds(timeout: float | None = None) -> None:
     """Wait for the builds `build_in_background` started (a kernel timing must not share the CPUs
     with our own compiler processes, which its load check would count as another's work)."""
@@ -159,12 +193,12 @@ def _build_or_load(lib: str, kernels: list[Kernel], extra: tuple[str, ...] = ())
     t0 = time.perf_counter()
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
-        text = bundle_source(kernels) if lib == BUNDLE_NAME else _lite_source(lib, kernels[0].source,
-                                                                              list(kernels[0].functions))
-        ops = {k.name: list(k.functions) for k in kernels}
-        digest = hashlib.sha256((text + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
-        build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{lib}-{digest}"
         try:
+            text = bundle_source(kernels) if lib == BUNDLE_NAME else _lite_source(lib, kernels[0].source,
+                                                                                  list(kernels[0].functions))
+            ops = {k.name: list(k.functions) for k in kernels}
+            digest = hashlib.sha256((text + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
+            build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{lib}-{digest}"
             mods = _import_built(lib, build / f"{lib}.so", ops)
             if mods is None:
                 try:
@@ -262,17 +296,18 @@ def _build(lib: str, text: str, ops: dict[str, list[str]], build, extra: tuple[s
     tmp = tmp_sibling(build)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         load_inline(lib, cpp_sources=text, extra_cflags=list(_FLAGS + extra),
                     extra_ldflags=["-fopenmp"], build_directory=str(tmp), verbose=False,
                     is_python_module=False, no_implicit_headers=True)
-        # the compiler's own CPU time: what the build costs whatever runs beside it (on a cold
-        # start the GGUF's repack shares the cores and stretches the build's wall time)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        startup.add("C++ compiler CPU", after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        # the compilers' own CPU time: what the builds cost whatever runs beside them (on a cold
+        # start the GGUF's repack shares the cores and stretches their wall time). RUSAGE_CHILDREN
+        # is the process's: each build adds what it grew by since the last one counted, so two
+        # builds at once are not counted twice
+        with _guard:
+            total = _children_now()
+            startup.add("C++ compiler CPU", total - _children_cpu[0])
+            _children_cpu[0] = total
         mods = {name: _Ops(name, functions) for name, functions in ops.items()}
         try:
             tmp.rename(build)

@@ -38,6 +38,8 @@ distance chosen by timing per machine (0: the hardware prefetcher alone).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mixserve.env import cpu_flags, forced_isa
@@ -990,8 +992,10 @@ def why_not_native() -> str:
     if not may_default_native():
         return ("the native kernel here is its AVX2 variant, slower than float32 at prefill and wide batches; "
                 "--gguf-weights native runs it")
+    if os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
+        return "no native kernel here: MIXSERVE_NO_CPP_KERNELS turns the C++ kernels off"
     if not available():
-        return "no native kernel here: its C++ build failed (no compiler?)"
+        return "no native kernel here: its C++ build failed (its warning above says why)"
     return f"the native kernel here is its {isa()} variant; --gguf-weights native runs it"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None, built: b
 
     if not built:
         flags = gguf_kernels.cpu_flags()
-        runs = not flags or gguf_kernels.NEEDS <= flags
+        # MIXSERVE_NO_CPP_KERNELS: no kernel at all, so no read and repack first (the built check says why)
+        runs = (not flags or gguf_kernels.NEEDS <= flags) and not os.environ.get("MIXSERVE_NO_CPP_KERNELS")
         if gguf_weights == "native" and not quantization and runs:
             return True
         if gguf_weights is None:

@@ -424,6 +424,7 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
     monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
     monkeypatch.delenv("MIXSERVE_ISA", raising=False)
     monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "_bundle", None)
     sources = []
 
     def fake_load_inline(name, build_directory, cpp_sources, **k):
@@ -439,19 +440,46 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
     assert len(sources) == 1 and all(f"TORCH_LIBRARY({n}, m)" in sources[0] for n in names)
     assert sources[0].count("#include <torch/library.h>") == 1  # the heavy headers once
     assert next((tmp_path / "mixserve" / "kernels").glob(f"torch-*/*/{cpp_build.BUNDLE_NAME}-*")).is_dir()
+    # decided once a process: another answer of bundled() later (MIXSERVE_ISA changed) changes nothing,
+    # where a second library would register the same ops again and abort the process
+    monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: False)
+    assert cpp_build._bundle_with(names[0]) is not None and len(sources) == 1
+    monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: True)
     # an AVX-only CPU: the GGUF kernel (AVX2, FMA, F16C) is not in its library
     monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "_bundle", None)
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx", "sse4_2"})
     assert gguf_kernels.build() is None and paged_decode.build() == f"ops of {names[1]}"
     assert len(sources) == 2 and f"TORCH_LIBRARY({names[0]}, m)" not in sources[1]
     # a CPU that dequantizes GGUF files by default: the GGUF kernel is left out, built alone if asked for
     monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "_bundle", None)
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: False)
     assert invariant_linear.build() == f"ops of {names[2]}" and len(sources) == 3
     assert f"TORCH_LIBRARY({names[0]}, m)" not in sources[2] and f"TORCH_LIBRARY({names[1]}, m)" in sources[2]
     assert gguf_kernels.build() == f"ops of {names[0]}" and len(sources) == 4
     assert f"TORCH_LIBRARY({names[0]}, m)" in sources[3] and f"namespace k_{names[0]}" not in sources[3]  # its own
+    # a start whose model is no GGUF file leaves it out too (llm_engine: fix_bundle(without=...))
+    monkeypatch.setattr(cpp_build, "_built", {})
+    monkeypatch.setattr(cpp_build, "_bundle", None)
+    monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: True)
+    cpp_build.fix_bundle(without=(gguf_kernels.__name__,))
+    cpp_build.fix_bundle()  # decided already: no change
+    assert [k.name for k in cpp_build._bundle] == names[1:]
+
+
+def test_no_cpp_kernels_reads_no_gguf_for_a_native_load_it_cannot_run(monkeypatch):
+    from mixserve.models.loader import use_native_gguf
+
+    from mixserve.layers import gguf_kernels
+
+    monkeypatch.setenv("MIXSERVE_NO_CPP_KERNELS", "1")
+    assert not use_native_gguf(None, None, built=False)
+    # asked for by name: the kernel's own check decides at once (no kernel in a process without any)
+    monkeypatch.setattr(gguf_kernels, "available", lambda: False)
+    with pytest.raises(ValueError, match="not available"):
+        use_native_gguf("native", None, built=False)
 
 
 def test_a_bundled_kernel_may_not_include_a_header_inside_its_code():
