@@ -364,7 +364,12 @@ class ModelRunner:
         """Decide the graph's trial (GraphTrial): keep the graph or drop it, and say which."""
         trial, self.graph_trial = self.graph_trial, None
         pick, t = trial.decide()
-        figures = f"compiled {t['compiled'] * 1e3:.1f} ms vs eager {t['eager'] * 1e3:.1f} ms a step, live"
+        from mixserve.layers.kernel_choice import MARGIN
+
+        # the rule in the line: a graph a little faster but within the margin is dropped (seen as a
+        # contradiction by a new user)
+        figures = (f"compiled {t['compiled'] * 1e3:.1f} ms vs eager {t['eager'] * 1e3:.1f} ms a step, live; "
+                   f"kept where faster by {MARGIN:.0%} or more")
         log.warning("decode graph: %s (%s)", "kept" if pick == "compiled" else "dropped, steps run eager", figures)
         if pick != "compiled":
             self.graph = None
