@@ -33,8 +33,10 @@ The matmul quantizes each activation row to int8 with one scale per 32 channels 
 granularity), and adds the offsets as sum_g m_g * dx * sum_(k in g) xq[k]: the result is the
 exact effective weights times the int8-quantized activations, accumulated in float32. `levels` > 1
 feeds each row in as its quantization and the quantizations of what that left over (float32
-logits from an LM head). The kernel prefetches the weight rows `prefetch` row pairs ahead, a
-distance chosen by timing per machine (0: the hardware prefetcher alone).
+logits from an LM head). The few-row kernel runs two weight rows a pass (sharing each activation
+load) or one (a single stream through the weights: `prefetch` < 0, the VNNI variant), and
+prefetches the weight rows `prefetch` (or -prefetch - 1) row pairs ahead; both chosen by timing
+per machine and shape (0 / -1: the hardware prefetcher alone).
 """
 from __future__ import annotations
 
@@ -387,16 +389,61 @@ static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const
     });
 }
 
+// `run` with one weight row a pass: one stream through the weights. Two rows a pass read them as two
+// streams a row apart, which this CPU's prefetchers followed poorly from 1 KB rows on (a Zen 5 EPYC:
+// the 1.5B's Q4_K 17920x1536 at 11 GB/s two rows a pass, 43 one; issue 43); the activation loads
+// are then not shared. The same integer sums and float steps per row, so the same bits.
+template <int R, int G, int HB>
+static void run1(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t ystride,
+                 int64_t PF) {
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const bool past = may_read_past(L, n);
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+        __m512i ia[R], ib[R];
+        for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+        for (int64_t p = 0; p < G / 8; ++p) {
+          if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
+          __m512i qa, qb;
+          unpack<G, HB>(L, n, b, p, km, t, qa, qb, past);
+          const int8_t* x = xp + b * 16 * G;
+          for (int r = 0; r < R; ++r) {
+            ia[r] = _mm512_dpbusd_epi32(ia[r], qa, _mm512_loadu_si512(x + r * xrow + p * 64));
+            ib[r] = _mm512_dpbusd_epi32(ib[r], qb, _mm512_loadu_si512(x + r * xrow + (p + G / 8) * 64));
+          }
+        }
+        __m512 sv, mv;
+        block_scales(L, n, b, sv, mv);
+        for (int r = 0; r < R; ++r) {  // block_steps' order
+          const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), _mm512_mul_ps(sv, dx),
+                                   _mm512_fmadd_ps(mv, xs, acc[r]));
+        }
+      }
+      for (int r = 0; r < R; ++r) y[r * ystride + n] = sum16(acc[r]);
+    }
+  });
+}
+
+// one: one weight row a pass (run1), else two (run); chosen by timing per shape (gguf_linear.choose)
 template <int G, int HB>
 static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ,
-                     int64_t PF) {
+                     int64_t PF, bool one) {
   if (RQ > 4) return run_many<G, HB>(L, xp, dxv, xsv, y, RQ);
   const int64_t xrow = L.nb * 16 * G;
   for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
     const int64_t rr = std::min<int64_t>(4, RQ - r0);
     const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * L.nb; const __m512* c = xsv + r0 * L.nb;
     float* o = y + r0 * L.N;
-    with_rows(rr, [&](auto R) { run<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF); });
+    with_rows(rr, [&](auto R) {
+      if (one) run1<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF);
+      else run<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF);
+    });
   }
 }
 // dequantization's two variant parts: steps p and p + G/8 of row n's block b into st (64 bytes
@@ -803,6 +850,11 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
               "gguf matmul: x float32 [R, K] contiguous");
   TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
+  // prefetch >= 0: two weight rows a pass, prefetching that many row pairs ahead; < 0: one row a pass
+  // (the VNNI variant; the AVX2 one runs two), prefetching -prefetch - 1 pairs ahead
+  const bool one = prefetch < 0;
+  const int64_t PF = one ? -prefetch - 1 : prefetch;
+  (void)one;
   const int64_t R = x.size(0), K = L.K, nb = L.nb, RQ = levels * R, xrow = nb * 16 * G;
   auto y = torch::empty({RQ, L.N}, x.options());
 #ifdef GGUF_NATIVE
@@ -849,9 +901,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
     dxv[i] = _mm512_loadu_ps(dxf.data() + 16 * i);
     xsv[i] = _mm512_loadu_ps(xsf.data() + 16 * i);
   }
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xq8, dxv.data(), xsv.data(), yp, RQ, prefetch); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xq8, dxv.data(), xsv.data(), yp, RQ, PF, one); } else
 #else
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xq8, dxf.data(), xsf.data(), xsi.data(), yp, RQ, prefetch); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xq8, dxf.data(), xsf.data(), xsi.data(), yp, RQ, PF); } else
 #endif
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 2) GGUF_CASE(32, 4)
   GGUF_CASE(16, 0) GGUF_CASE(16, 1) GGUF_CASE(16, 2) GGUF_CASE(16, 4)

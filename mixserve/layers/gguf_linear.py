@@ -98,7 +98,9 @@ class GGUFWeight:
         # modules that run it (GGUFLinear, GGUFEmbedding) and random_weight ask for it
         self.qtype, self.out_features, self.in_features = qtype, n, k
         self.group, self.superblock, self.hb, self.zero = group, superblock, hb, zero
-        self.prefetch = 0  # row pairs ahead the kernel prefetches (0: the hardware's alone); chosen by timing
+        # the few-row kernel's pass (chosen by timing): >= 0, two weight rows a pass prefetching that many
+        # row pairs ahead (0: the hardware's prefetch alone); < 0, one row a pass, -prefetch - 1 pairs ahead
+        self.prefetch = -1
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
 
@@ -316,12 +318,14 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
     return rotating_copies(make, lin.weight_bytes())
 
 
-PREFETCH_PAIRS = (0, 2, 4, 8, 16)
+# the `gguf_pass` candidates (GGUFWeight.prefetch): two rows a pass at five prefetch distances, one
+# row a pass at three
+PREFETCH_PAIRS = (0, 2, 4, 8, 16, -1, -3, -9)
 
 
 def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
-    """Timers for kernel_choice's `gguf_prefetch` choice: seconds per 1-row call of the native
-    kernel on random weights of w's type and shape with each prefetch distance (row pairs ahead)."""
+    """Timers for kernel_choice's `gguf_pass` choice: seconds per 1-row call of the native kernel on
+    random weights of w's type and shape with each of PREFETCH_PAIRS (GGUFWeight.prefetch)."""
     from mixserve.layers.kernel_choice import time_calls
 
     mods: list = []
@@ -381,8 +385,8 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
     the row switches off: the int8-activation kernel at every row count."""
     dt = str(lin.dtype).removeprefix("torch.")
     for p in lin.parts:
-        p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
-                                        prefetch_candidates(p, lin.dtype), "0"))
+        p.prefetch = int(chooser.choose(f"gguf_pass/{p.qtype}/{p.out_features}x{p.in_features}",
+                                        prefetch_candidates(p, lin.dtype), "-1"))
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}"
     if not switches:
         lin.dense_rows = lin.float_dense_rows = None
@@ -418,6 +422,10 @@ def summarize(model: nn.Module) -> str | None:
         rows = sorted({r for r in d["rows"] if r is not None})
         where = (f"below {span(rows)} rows, dense GEMM from there" if rows and None not in d["rows"]
                  else "at every row count" if not rows else f"below {span(rows)} rows or at every row count")
+        one = sorted(-v - 1 for v in d["pf"] if v < 0)
+        two = sorted(v for v in d["pf"] if v >= 0)
+        passes = ", ".join(([f"one row a pass, prefetch {span(one)} row pairs"] if one else [])
+                           + ([f"two rows a pass, prefetch {span(two)} row pairs"] if two else []))
         out.append(f"{t} x{d['n']}{' (with the LM head)' if d['head'] else ''}: int8-activation kernel {where} "
-                   f"(prefetch {span(d['pf'])} row pairs)")
+                   f"({passes})")
     return "; ".join(out)

@@ -65,7 +65,7 @@ def test_kernel_equals_effective_weights_times_int8_activations(qtype):
     torch.manual_seed(0)
     for rows in (1, 2, 5):  # the kernel takes activation rows four at a time
         x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)  # uneven channels, as real activations
-        for pf in (0, 4):  # prefetching must not change a value
+        for pf in (0, 4, -1, -5):  # prefetching, or one weight row a pass, must not change a value
             w.prefetch = pf
             y = w.matmul(x)
             ref = int8_reference(x, ref_w)
@@ -140,7 +140,7 @@ def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
         for rows in (1, 2, 5, 13):  # the few-row kernel (<= 4 rows) and the many-row one
             x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).contiguous()
             ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x.numpy()))
-            for pf in (0, 3):
+            for pf in (0, 3, -1, -4):  # two weight rows a pass or one
                 w.prefetch = pf
                 y = w.matmul(x)
                 assert torch.equal(y, ref), (qtype, n, k, rows, pf, (y - ref).abs().max().item(),
@@ -435,7 +435,7 @@ def test_probe_runs_a_part_without_native_kernel_dense(tmp_path):
     from mixserve.plan.hardware import _make_linear
 
     chooser = KernelChooser(tmp_path / "choices.json",
-                            overrides={"dense_linear": "plain", "gguf_prefetch": "0", "gguf_dense_rows": "never"})
+                            overrides={"dense_linear": "plain", "gguf_pass": "-1", "gguf_dense_rows": "never"})
     lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q5_K", 32)])
     assert isinstance(lin, DenseLinear) and lin(torch.randn(2, 256)).shape == (2, 96)
     lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q6_K", 32)])
