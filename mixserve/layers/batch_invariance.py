@@ -40,7 +40,11 @@ from mixserve.layers.paged_decode import available as paged_available
 
 
 def unavailable() -> str | None:
-    """None where this mode can run here, else why not (a kernel did not build)."""
+    """None where this mode can run here, else why not (a kernel did not build, or none may)."""
+    import os
+
+    if os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
+        return "its C++ kernels are turned off (MIXSERVE_NO_CPP_KERNELS)"
     if not invariant_linear.available():
         return "the invariant GEMM (layers/invariant_linear.py, AVX2 + FMA) did not build"
     if not paged_available():

@@ -40,6 +40,7 @@ per machine and shape (0 / -1: the hardware prefetcher alone).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -988,6 +989,7 @@ TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
 """.replace("@QUANTIZE_ROW@", QUANTIZE_ROW_SRC)
 
 _state: dict = {}
+log = logging.getLogger("mixserve")
 # the least the kernel needs (its AVX2 variant), as /proc/cpuinfo names them; AVX512-VNNI and
 # AVX512-BW, where -march=native turns them on, build the VNNI variant instead
 NEEDS = frozenset({"avx2", "fma", "f16c"})
@@ -995,10 +997,22 @@ ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 
 
 def kernel() -> Kernel:
-    """This kernel as this process builds it (one of cpp_build.BUNDLED)."""
-    if forced_isa() == "avx2":  # -march=native less AVX-512: the AVX2 variant, in a build of its own
-        return Kernel("mixserve_gguf_v5_avx2", _SRC, ("available", "isa_level"), NEEDS, ("-mno-avx512f",))
-    return Kernel("mixserve_gguf_v5", _SRC, ("available", "isa_level"), NEEDS)
+    """This kernel as this process builds it (one of cpp_build.BUNDLED): its variant is decided by
+    $MIXSERVE_ISA at the first call and kept, since both variants register the same ops and a second
+    library of them would abort the process (a later change is logged and has no effect)."""
+    isa = forced_isa()
+    if "kernel" not in _state:
+        if isa == "avx2":  # -march=native less AVX-512: the AVX2 variant, in a build of its own
+            _state["kernel"] = Kernel("mixserve_gguf_v5_avx2", _SRC, ("available", "isa_level"), NEEDS,
+                                      ("-mno-avx512f",))
+        else:
+            _state["kernel"] = Kernel("mixserve_gguf_v5", _SRC, ("available", "isa_level"), NEEDS)
+        _state["isa"] = isa
+    elif isa != _state["isa"]:
+        log.warning("MIXSERVE_ISA changed to %r after the native GGUF kernel was chosen (%r): kept for this process",
+                    isa, _state["isa"])
+        _state["isa"] = isa  # said once per change
+    return _state["kernel"]
 
 
 def bundled() -> bool:

@@ -64,8 +64,10 @@ def use_native_gguf(gguf_weights: str | None, quantization: str | None, built: b
             raise ValueError(f"gguf_weights native: --quantization {quantization} starts from the dequantized "
                              "weights; use --gguf-weights dequantize")
         if not gguf_kernels.available():
-            raise ValueError("gguf_weights native: the native GGUF kernel is not available on this machine "
-                             "(it needs AVX2, FMA and F16C, and a C++ compiler); use --gguf-weights dequantize")
+            why = ("MIXSERVE_NO_CPP_KERNELS turns the C++ kernels off" if os.environ.get("MIXSERVE_NO_CPP_KERNELS")
+                   else "it needs AVX2, FMA and F16C, and a C++ compiler")
+            raise ValueError(f"gguf_weights native: the native GGUF kernel is not available on this machine "
+                             f"({why}); use --gguf-weights dequantize")
         return True
     return quantization is None and gguf_kernels.default_native()
 

@@ -491,3 +491,20 @@ def test_a_bundled_kernel_may_not_include_a_header_inside_its_code():
     assert "m.def(\"f\", &k_b::f);" in ok
     with pytest.raises(ValueError, match="an #include after its code"):
         bundle_source([Kernel("c", "int g();\n#include <vector>\n", ("g",))])
+
+
+def test_the_gguf_kernels_variant_is_kept_when_mixserve_isa_changes(monkeypatch, caplog):
+    """Both GGUF kernel variants register the same ops: a second library of them aborts the process
+    (a break-it helper's case: an engine, then MIXSERVE_ISA=avx2, then another engine). The first
+    call's variant is kept, and the change is logged."""
+    from mixserve.layers import gguf_kernels
+
+    monkeypatch.setattr(gguf_kernels, "_state", {})
+    monkeypatch.delenv("MIXSERVE_ISA", raising=False)
+    first = gguf_kernels.kernel().name
+    monkeypatch.setenv("MIXSERVE_ISA", "avx2")
+    with caplog.at_level(logging.WARNING, "mixserve"):
+        assert gguf_kernels.kernel().name == first == "mixserve_gguf_v5"
+    assert "MIXSERVE_ISA changed" in caplog.text
+    monkeypatch.setattr(gguf_kernels, "_state", {})
+    assert gguf_kernels.kernel().name == "mixserve_gguf_v5_avx2"  # a new process's first call
