@@ -624,21 +624,22 @@ static inline void rows_dot(const int8_t* x, int64_t xrow, int64_t p, __m256i qa
 }
 
 // `run` on AVX2: dxf, xsf float [R, nb, 16] and xsi int32 [R, nb, 16] (per group lane: the
-// activation scale, dx * sum(xq), sum(xq))
-template <int R, int G, int HB>
+// activation scale, dx * sum(xq), sum(xq)); W weight rows a pass (2: sharing each activation load;
+// 1: one stream through the weights, `run1`'s reason), the same bits either way
+template <int R, int G, int HB, int W>
 static void run2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi, float* y,
                  int64_t ystride, int64_t PF) {
   const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
-  at::parallel_for(0, (N + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, (N + W - 1) / W, 8 / W, [&](int64_t p0, int64_t p1) {
     for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t n = 2 * pr, nn = std::min<int64_t>(2, N - n), n1 = nn > 1 ? n + 1 : n;
+      const int64_t n = W * pr, nn = std::min<int64_t>(W, N - n), n1 = nn > 1 ? n + 1 : n;
       __m256 acc0[R][2], acc1[R][2];
       for (int r = 0; r < R; ++r) acc0[r][0] = acc0[r][1] = acc1[r][0] = acc1[r][1] = _mm256_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
         __m256 sv0[2], mv0[2], sv1[2], mv1[2];
         block_scales2(L, n, b, sv0, mv0);
-        block_scales2(L, n1, b, sv1, mv1);
+        if constexpr (W == 2) block_scales2(L, n1, b, sv1, mv1);
         for (int h = 0; h < 2; ++h) {
           // a tail block's empty half: no integers, but its lanes' float step still runs (with
           // zeros, as the VNNI kernel's masked lanes do: it can turn a -0 lane into +0)
@@ -647,21 +648,32 @@ static void run2(const Layout& L, const int8_t* xp, const float* dxf, const floa
           for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
           for (int64_t p = 0; p < (empty ? 0 : G / 8); ++p) {
             if (PF && h == 0) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
-            __m256i qa0, qb0, qa1, qb1;
+            __m256i qa0, qb0;
             unpack2<G, HB>(L, n, b, p, t, h, qa0, qb0);
-            unpack2<G, HB>(L, n1, b, p, t, h, qa1, qb1);
-            rows_dot<R, G, HB>(xp + b * 16 * G + 32 * h, xrow, p, qa0, qb0, qa1, qb1, i0, i1);
+            if constexpr (W == 2) {
+              __m256i qa1, qb1;
+              unpack2<G, HB>(L, n1, b, p, t, h, qa1, qb1);
+              rows_dot<R, G, HB>(xp + b * 16 * G + 32 * h, xrow, p, qa0, qb0, qa1, qb1, i0, i1);
+            } else {
+              const int8_t* x = xp + b * 16 * G + 32 * h;
+              for (int r = 0; r < R; ++r) {
+                const __m256i xa = _mm256_loadu_si256((const __m256i*)(x + r * xrow + p * 64));
+                const __m256i xb = _mm256_loadu_si256((const __m256i*)(x + r * xrow + (p + G / 8) * 64));
+                i0[r] = _mm256_add_epi32(i0[r], dot8<HB>(qa0, xa, qb0, xb));
+              }
+            }
           }
           for (int r = 0; r < R; ++r) {
             const int64_t at = (r * nb + b) * 16 + 8 * h;
             acc0[r][h] = block_step<HB>(i0[r], xsi + at, dxf + at, xsf + at, sv0[h], mv0[h], acc0[r][h]);
-            acc1[r][h] = block_step<HB>(i1[r], xsi + at, dxf + at, xsf + at, sv1[h], mv1[h], acc1[r][h]);
+            if constexpr (W == 2)
+              acc1[r][h] = block_step<HB>(i1[r], xsi + at, dxf + at, xsf + at, sv1[h], mv1[h], acc1[r][h]);
           }
         }
       }
       for (int r = 0; r < R; ++r) {
         y[r * ystride + n] = sum8_tree(_mm256_add_ps(acc0[r][0], acc0[r][1]));
-        if (nn > 1) y[r * ystride + n + 1] = sum8_tree(_mm256_add_ps(acc1[r][0], acc1[r][1]));
+        if (W == 2 && nn > 1) y[r * ystride + n + 1] = sum8_tree(_mm256_add_ps(acc1[r][0], acc1[r][1]));
       }
     }
   });
@@ -743,7 +755,7 @@ static void run_many2(const Layout& L, const int8_t* xp, const float* dxf, const
 
 template <int G, int HB>
 static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi,
-                      float* y, int64_t RQ, int64_t PF) {
+                      float* y, int64_t RQ, int64_t PF, bool one) {
   if (RQ > 4) return run_many2<G, HB>(L, xp, dxf, xsf, xsi, y, RQ);
   const int64_t xrow = L.nb * 16 * G, v = L.nb * 16;
   for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
@@ -751,7 +763,10 @@ static void run_rows2(const Layout& L, const int8_t* xp, const float* dxf, const
     const int8_t* a = xp + r0 * xrow;
     const float* b = dxf + r0 * v; const float* c = xsf + r0 * v; const int32_t* e = xsi + r0 * v;
     float* o = y + r0 * L.N;
-    with_rows(rr, [&](auto R) { run2<decltype(R)::value, G, HB>(L, a, b, c, e, o, L.N, PF); });
+    with_rows(rr, [&](auto R) {
+      if (one) run2<decltype(R)::value, G, HB, 1>(L, a, b, c, e, o, L.N, PF);
+      else run2<decltype(R)::value, G, HB, 2>(L, a, b, c, e, o, L.N, PF);
+    });
   }
 }
 
@@ -851,8 +866,8 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
               "gguf matmul: x float32 [R, K] contiguous");
   TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
-  // prefetch >= 0: two weight rows a pass, prefetching that many row pairs ahead; < 0: one row a pass
-  // (the VNNI variant; the AVX2 one runs two), prefetching -prefetch - 1 pairs ahead
+  // prefetch >= 0: two weight rows a pass, prefetching that many row pairs ahead; < 0: one row a pass,
+  // prefetching -prefetch - 1 pairs ahead
   const bool one = prefetch < 0;
   const int64_t PF = one ? -prefetch - 1 : prefetch;
   (void)one;
@@ -904,7 +919,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   }
 #define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, xq8, dxv.data(), xsv.data(), yp, RQ, PF, one); } else
 #else
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xq8, dxf.data(), xsf.data(), xsi.data(), yp, RQ, PF); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows2<g, hb>(L, xq8, dxf.data(), xsf.data(), xsi.data(), yp, RQ, PF, one); } else
 #endif
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 2) GGUF_CASE(32, 4)
   GGUF_CASE(16, 0) GGUF_CASE(16, 1) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
