@@ -34,7 +34,7 @@ granularity), and adds the offsets as sum_g m_g * dx * sum_(k in g) xq[k]: the r
 exact effective weights times the int8-quantized activations, accumulated in float32. `levels` > 1
 feeds each row in as its quantization and the quantizations of what that left over (float32
 logits from an LM head). The few-row kernel runs two weight rows a pass (sharing each activation
-load) or one (a single stream through the weights: `prefetch` < 0, the VNNI variant), and
+load) or one (a single stream through the weights: `prefetch` < 0), and
 prefetches the weight rows `prefetch` (or -prefetch - 1) row pairs ahead; both chosen by timing
 per machine and shape (0 / -1: the hardware prefetcher alone).
 """
