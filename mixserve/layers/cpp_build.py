@@ -56,10 +56,11 @@ def build_extension(name: str, source: str, functions: list[str], needs: frozens
     with lock:
         if name not in _built:
             if bundle:
-                _built.update(_build_or_load_bundle(bundle))
+                flags = tuple(dict.fromkeys(f for k in bundle for f in k.extra_flags))
+                _built.update(_build_or_load(BUNDLE_NAME, bundle, bundle_source, flags))
             else:
                 _built.update(_build_or_load(name, [Kernel(name, source, tuple(functions), needs, extra_flags)],
-                                             extra_flags))
+                                             lambda ks: _lite_source(name, source, functions), extra_flags))
     return _built[name]
 
 
@@ -77,8 +78,8 @@ class Kernel:
 
 
 # The kernels a CPU start builds, compiled as one translation unit: each build of its own parsed
-# the torch headers again (3.0 s of 4.2-8.4 s each on a 2-core Zen 5 EPYC); one unit took 10.4 s
-# against 16.9 s for the three (benchmarks/cpp_headers.py; issue 32). Each module has `kernel()`.
+# the torch headers again (~3 s of 4.0-7.7 s each on a 2-core Zen 5 EPYC); one unit took 9.6-9.9 s
+# against 16.0-16.3 s for the three (benchmarks/cpp_headers.py; issue 32). Each module has `kernel()`.
 BUNDLED = ("mixserve.layers.gguf_kernels", "mixserve.layers.paged_decode", "mixserve.layers.invariant_linear")
 BUNDLE_NAME = "mixserve_kernels"
 
@@ -118,10 +119,6 @@ def _bundle_with(name: str) -> list[Kernel] | None:
     fix_bundle()
     return _bundle if any(k.name == name for k in _bundle) else None
 
-
-def _build_or_load_bundle(kernels: list[Kernel]) -> dict[str, object]:
-    flags = tuple(dict.fromkeys(f for k in kernels for f in k.extra_flags))
-    return _build_or_load(BUNDLE_NAME, kernels, flags)
 
 def build_in_background(loaders) -> list[threading.Thread]:
     """Call each of `loaders` (a kernel module's `build`: build_extension only, no op registration,
@@ -178,8 +175,9 @@ def wait_for_background_builds(timeout: float | None = None) -> None:
             _background.remove(t)
 
 
-def _build_or_load(lib: str, kernels: list[Kernel], extra: tuple[str, ...] = ()) -> dict[str, object]:
-    """{kernel name: its ops, or None} for `kernels` built (or loaded) as the library `lib`."""
+def _build_or_load(lib: str, kernels: list[Kernel], unit, extra: tuple[str, ...] = ()) -> dict[str, object]:
+    """{kernel name: its ops, or None} for `kernels` built (or loaded) as the library `lib`, whose
+    translation unit is unit(those of `kernels` this CPU can run)."""
     flags = cpu_flags()
     out: dict[str, object] = {k.name: None for k in kernels}
     lacking = {k.name: set(k.needs) - flags for k in kernels if k.needs and flags and not set(k.needs) <= flags}
@@ -194,8 +192,7 @@ def _build_or_load(lib: str, kernels: list[Kernel], extra: tuple[str, ...] = ())
     if not os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         cpu = "".join(c if c.isalnum() else "-" for c in cpu_model())[:48] + "-" + cpu_isa_key()
         try:
-            text = bundle_source(kernels) if lib == BUNDLE_NAME else _lite_source(lib, kernels[0].source,
-                                                                                  list(kernels[0].functions))
+            text = unit(kernels)
             ops = {k.name: list(k.functions) for k in kernels}
             digest = hashlib.sha256((text + repr(_FLAGS + extra)).encode()).hexdigest()[:12]
             build = cache_root() / "kernels" / f"torch-{torch.__version__}" / cpu / f"{lib}-{digest}"

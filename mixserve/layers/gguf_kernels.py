@@ -242,8 +242,8 @@ static inline void unpack(const Layout& L, int64_t n, int64_t b, int64_t p, __mm
   // Zen 5 EPYC streamed the 1.5B's weights at ~11 GB/s of its ~50; the 0.5B's K = 896 rows are 12
   // of 28 groups in a last block; issue 43)
   // (the types without high bits, Q4_0/Q4_1/Q4_K, keep the masked load: read whole, the 0.5B's Q4_K
-  // 896x4864 ran at 15-16 GB/s against 22-29 masked, benchmarks/gguf_stream.py's shapes by hand;
-  // Q5_0 9728x896 at 36-37 against 14-25)
+  // 896x4864 ran at 15-16 GB/s against 22-29 masked, Q5_0 9728x896 at 36-37 against 14-25, timed by
+  // hand on one Zen 5 EPYC: a rule, not a per-machine choice)
   const bool whole = t == 16 || (past && HB != 0);
   const uint8_t* lp = L.lo + n * (L.K / 2) + off;
   const __m512i v = whole ? _mm512_loadu_si512(lp) : _mm512_maskz_loadu_epi8(km, lp);
@@ -280,9 +280,10 @@ static inline void rows_dot(const int8_t* x, int64_t xrow, int64_t p, __m512i qa
   }
 }
 
-// block b's float step for R activation rows and two weight rows (s, m per weight row), in the order
-// written at the top of this source: acc = fma(float(ia + ib), s * dx, fma(m, xs, acc))
-template <int R>
+// block b's float step for R activation rows and W (two, or one: row 1's arguments unused) weight
+// rows (s, m per weight row), in the order written at the top of this source:
+// acc = fma(float(ia + ib), s * dx, fma(m, xs, acc))
+template <int R, int W = 2>
 static inline void block_steps(const __m512i* ia0, const __m512i* ib0, const __m512i* ia1, const __m512i* ib1,
                                __m512 sv0, __m512 mv0, __m512 sv1, __m512 mv1, const __m512* dxv,
                                const __m512* xsv, int64_t nb, int64_t b, __m512* acc0, __m512* acc1) {
@@ -290,21 +291,25 @@ static inline void block_steps(const __m512i* ia0, const __m512i* ib0, const __m
     const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
     acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia0[r], ib0[r])), _mm512_mul_ps(sv0, dx),
                               _mm512_fmadd_ps(mv0, xs, acc0[r]));
-    acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia1[r], ib1[r])), _mm512_mul_ps(sv1, dx),
-                              _mm512_fmadd_ps(mv1, xs, acc1[r]));
+    if constexpr (W == 2)
+      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia1[r], ib1[r])), _mm512_mul_ps(sv1, dx),
+                                _mm512_fmadd_ps(mv1, xs, acc1[r]));
   }
 }
 
-// R activation rows against every weight row, two weight rows a pass sharing each activation load.
+// R activation rows against every weight row, W weight rows a pass: 2 share each activation load; 1
+// reads the weights as one stream (two rows a pass are two streams a row apart, which a Zen 5 EPYC's
+// prefetchers followed poorly from 1 KB rows on: the 1.5B's Q4_K 17920x1536 at 13 GB/s against 43;
+// issue 43). The same integer sums and float steps per row either way, so the same bits.
 // xp int8 [R, nb * 16G] in step order (lane l of step i = channels l*G + 4i .. + 3 of the block);
 // dxv, xsv [R, nb] vectors: per group lane, the activation scale and dx * sum of the group's xq
-template <int R, int G, int HB>
+template <int R, int G, int HB, int W>
 static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t ystride,
                 int64_t PF) {
   const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
-  at::parallel_for(0, (N + 1) / 2, 4, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, (N + W - 1) / W, 8 / W, [&](int64_t p0, int64_t p1) {
     for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t n = 2 * pr, nn = std::min<int64_t>(2, N - n), n1 = nn > 1 ? n + 1 : n;
+      const int64_t n = W * pr, nn = std::min<int64_t>(W, N - n), n1 = nn > 1 ? n + 1 : n;
       const bool past0 = may_read_past(L, n), past1 = may_read_past(L, n1);
       __m512 acc0[R], acc1[R];
       for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
@@ -313,21 +318,31 @@ static void run(const Layout& L, const int8_t* xp, const __m512* dxv, const __m5
         const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
         __m512i ia0[R], ib0[R], ia1[R], ib1[R];
         for (int r = 0; r < R; ++r) ia0[r] = ib0[r] = ia1[r] = ib1[r] = _mm512_setzero_si512();
+        const int8_t* x = xp + b * 16 * G;
         for (int64_t p = 0; p < G / 8; ++p) {
           if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
-          __m512i qa0, qb0, qa1, qb1;
+          __m512i qa0, qb0;
           unpack<G, HB>(L, n, b, p, km, t, qa0, qb0, past0);
-          unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1, past1);
-          rows_dot<R, G>(xp + b * 16 * G, xrow, p, qa0, qb0, qa1, qb1, ia0, ib0, ia1, ib1);
+          if constexpr (W == 2) {
+            __m512i qa1, qb1;
+            unpack<G, HB>(L, n1, b, p, km, t, qa1, qb1, past1);
+            rows_dot<R, G>(x, xrow, p, qa0, qb0, qa1, qb1, ia0, ib0, ia1, ib1);
+          } else {
+            for (int r = 0; r < R; ++r) {
+              ia0[r] = _mm512_dpbusd_epi32(ia0[r], qa0, _mm512_loadu_si512(x + r * xrow + p * 64));
+              ib0[r] = _mm512_dpbusd_epi32(ib0[r], qb0, _mm512_loadu_si512(x + r * xrow + (p + G / 8) * 64));
+            }
+          }
         }
         __m512 sv0, mv0, sv1, mv1;
         block_scales(L, n, b, sv0, mv0);
-        block_scales(L, n1, b, sv1, mv1);
-        block_steps<R>(ia0, ib0, ia1, ib1, sv0, mv0, sv1, mv1, dxv, xsv, nb, b, acc0, acc1);
+        if constexpr (W == 2) block_scales(L, n1, b, sv1, mv1);
+        else sv1 = mv1 = _mm512_setzero_ps();  // unused
+        block_steps<R, W>(ia0, ib0, ia1, ib1, sv0, mv0, sv1, mv1, dxv, xsv, nb, b, acc0, acc1);
       }
       for (int r = 0; r < R; ++r) {
         y[r * ystride + n] = sum16(acc0[r]);
-        if (nn > 1) y[r * ystride + n + 1] = sum16(acc1[r]);
+        if (W == 2 && nn > 1) y[r * ystride + n + 1] = sum16(acc1[r]);
       }
     }
   });
@@ -390,48 +405,7 @@ static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const
     });
 }
 
-// `run` with one weight row a pass: one stream through the weights. Two rows a pass read them as two
-// streams a row apart, which this CPU's prefetchers followed poorly from 1 KB rows on (a Zen 5 EPYC:
-// the 1.5B's Q4_K 17920x1536 at 11 GB/s two rows a pass, 43 one; issue 43); the activation loads
-// are then not shared. The same integer sums and float steps per row, so the same bits.
-template <int R, int G, int HB>
-static void run1(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t ystride,
-                 int64_t PF) {
-  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const bool past = may_read_past(L, n);
-      __m512 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
-        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
-        __m512i ia[R], ib[R];
-        for (int r = 0; r < R; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
-        for (int64_t p = 0; p < G / 8; ++p) {
-          if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
-          __m512i qa, qb;
-          unpack<G, HB>(L, n, b, p, km, t, qa, qb, past);
-          const int8_t* x = xp + b * 16 * G;
-          for (int r = 0; r < R; ++r) {
-            ia[r] = _mm512_dpbusd_epi32(ia[r], qa, _mm512_loadu_si512(x + r * xrow + p * 64));
-            ib[r] = _mm512_dpbusd_epi32(ib[r], qb, _mm512_loadu_si512(x + r * xrow + (p + G / 8) * 64));
-          }
-        }
-        __m512 sv, mv;
-        block_scales(L, n, b, sv, mv);
-        for (int r = 0; r < R; ++r) {  // block_steps' order
-          const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])), _mm512_mul_ps(sv, dx),
-                                   _mm512_fmadd_ps(mv, xs, acc[r]));
-        }
-      }
-      for (int r = 0; r < R; ++r) y[r * ystride + n] = sum16(acc[r]);
-    }
-  });
-}
-
-// one: one weight row a pass (run1), else two (run); chosen by timing per shape (gguf_linear.choose)
+// one: one weight row a pass, else two (`run`'s W); chosen by timing per shape (gguf_linear.choose)
 template <int G, int HB>
 static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ,
                      int64_t PF, bool one) {
@@ -442,8 +416,8 @@ static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const
     const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * L.nb; const __m512* c = xsv + r0 * L.nb;
     float* o = y + r0 * L.N;
     with_rows(rr, [&](auto R) {
-      if (one) run1<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF);
-      else run<decltype(R)::value, G, HB>(L, a, b, c, o, L.N, PF);
+      if (one) run<decltype(R)::value, G, HB, 1>(L, a, b, c, o, L.N, PF);
+      else run<decltype(R)::value, G, HB, 2>(L, a, b, c, o, L.N, PF);
     });
   }
 }
@@ -625,7 +599,7 @@ static inline void rows_dot(const int8_t* x, int64_t xrow, int64_t p, __m256i qa
 
 // `run` on AVX2: dxf, xsf float [R, nb, 16] and xsi int32 [R, nb, 16] (per group lane: the
 // activation scale, dx * sum(xq), sum(xq)); W weight rows a pass (2: sharing each activation load;
-// 1: one stream through the weights, `run1`'s reason), the same bits either way
+// 1: one stream through the weights, `run`'s reason), the same bits either way
 template <int R, int G, int HB, int W>
 static void run2(const Layout& L, const int8_t* xp, const float* dxf, const float* xsf, const int32_t* xsi, float* y,
                  int64_t ystride, int64_t PF) {
