@@ -10,6 +10,9 @@
 # Xeon the kernel does not grant AMX tiles to the process, and a native (AMX) build dies with SIGILL.
 # LLAMA_CURL=OFF and LLAMA_OPENSSL=OFF (no downloads from the binary), BUILD_SHARED_LIBS=OFF.
 #
+# LLAMA_ISA=avx2: the AVX2-only build instead (AVX512* OFF, as on a CPU without AVX-512; issue 43's
+# comparison for `MIXSERVE_ISA=avx2`), landing as $OUT/bin/llama-bench-avx2 from $OUT/build-avx2.
+#
 # Where it lands: $OUT/bin/llama-bench, OUT = ${XDG_CACHE_HOME:-~/.cache}/mixserve/llama.cpp (the
 # default path decode_vs_peers.py looks at). Build tree: $OUT/build; source: $OUT/src.
 #
@@ -30,12 +33,17 @@ srcdir="$OUT/src/llama_cpp_python-$LCP_VERSION"
 [ -d "$srcdir" ] || tar xzf "$sdist" -C "$OUT/src"
 llama="$srcdir/vendor/llama.cpp"
 
-cmake -S "$llama" -B "$OUT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+if [ "${LLAMA_ISA:-}" = avx2 ]; then
+    avx512=OFF; build="$OUT/build-avx2"; bin="$OUT/bin/llama-bench-avx2"
+else
+    avx512=ON; build="$OUT/build"; bin="$OUT/bin/llama-bench"
+fi
+cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    -DGGML_AVX512=$avx512 -DGGML_AVX512_VBMI=$avx512 -DGGML_AVX512_VNNI=$avx512 -DGGML_AVX512_BF16=$avx512 \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-cmake --build "$OUT/build" --target llama-bench -j2
-cp "$OUT/build/bin/llama-bench" "$OUT/bin/llama-bench"
-echo "llama-bench: $OUT/bin/llama-bench (llama.cpp $(git -C "$llama" rev-parse --short HEAD 2>/dev/null || echo '?'))"
+cmake --build "$build" --target llama-bench -j2
+cp "$build/bin/llama-bench" "$bin"
+echo "llama-bench: $bin (llama.cpp $(git -C "$llama" rev-parse --short HEAD 2>/dev/null || echo '?'))"

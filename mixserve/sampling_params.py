@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mixserve.structured_output.spec import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +33,11 @@ class SamplingParams:
         prompt_logprobs: if not None, the log-probability of every prompt token after the first
             given the ones before it, with the top-n alternatives (n = prompt_logprobs), computed in
             the prompt's own prefill (vLLM's name): RequestOutput.prompt_logprobs.
+        structured: the output must match a JSON schema, regex, choice or grammar
+            (structured_output.StructuredOutputs): every step masks the tokens it forbids, and the
+            request ends with "stop" once the grammar can go no further (even with ignore_eos).
+            Logprobs are then those of the masked logits (before temperature); min_tokens does not
+            apply (the grammar decides where the output may end).
 
     Raises:
         ValueError: from `validate()` when a value is out of range, naming the field.
@@ -52,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +121,8 @@ class SamplingParams:
             bad("seed", "must be an integer in [0, 2**63)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be true or false")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            bad("structured", "must be a StructuredOutputs")
 
 
 _MIN_TEMPERATURE = 1e-5

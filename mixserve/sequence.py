@@ -82,6 +82,9 @@ class Sequence:
     # the prompt tokens the first admission found cached (OpenAI's usage.cached_tokens)
     cache_salt: str | None = None
     num_cached_tokens: int = 0
+    # structured output: the llguidance matcher of params.structured, at the output so far (it has
+    # consumed every output token; kept across preemption, as the tokens are)
+    matcher: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

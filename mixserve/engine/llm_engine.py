@@ -13,7 +13,7 @@ from mixserve.device import resolve_device
 from mixserve.engine.args import EngineArgs, parse_bytes, parse_dtype
 from mixserve.engine.detokenizer import detokenize_incrementally, find_stop_string, tokens_in_text
 from mixserve.engine.model_runner import BatchItem, ModelRunner
-from mixserve.engine.sampler import Sampler, SamplingMetadata, process_logits
+from mixserve.engine.sampler import Sampler, SamplingMetadata, apply_token_mask, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.env import unkept
 from mixserve.kv.block_manager import BlockManager
@@ -180,6 +180,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cfg, self.block_manager, self.num_blocks, args.block_size, self.dtype,
                                   self.device)
         self.sampler = Sampler()
+        # structured output: constraints compiled per model and constraint, on the tokenizer's
+        # view llguidance builds at the first constrained request (structured_output/compiler.py)
+        self.grammars = None
+        if self.tokenizer is not None:
+            from mixserve.structured_output.compiler import GrammarCompiler
+
+            self.grammars = GrammarCompiler(self.new_tokenizer, self.cfg.vocab_size, list(self.cfg.eos_token_ids),
+                                            threads=max(1, torch.get_num_threads()))
         self.proposer = None
         if args.draft_model == "ngram":
             self.proposer = NgramProposer()
@@ -315,6 +323,10 @@ class LLMEngine:
         if self.block_manager.blocks_for(total) > self.num_blocks:
             raise ValueError(f"max_tokens: prompt + max_tokens = {total} tokens can never fit in the KV cache "
                              f"({self.kv_capacity_tokens} tokens); raise --kv-cache-memory")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError(f"{params.structured.source}: this model has no tokenizer, so no grammar")
+            self.grammars.compile(params.structured)  # cached: add_request copies it
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -359,6 +371,8 @@ class LLMEngine:
             raise ValueError("cache_salt: must be a non-empty string of at most 4096 characters")
         seq = Sequence(request_id, text, ids, params)
         seq.cache_salt = cache_salt
+        if params.structured is not None:
+            seq.matcher = self.grammars.matcher(params.structured)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
@@ -573,6 +587,14 @@ class LLMEngine:
             self.controller.draft.record(len(decode), self.proposer.step_time)
         drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
+        for s in decode:  # structured output: a draft ends at its first token the grammar forbids
+            d, m = drafts[s.seq.seq_id], s.seq.matcher
+            if m is not None and d:
+                n = m.validate_tokens(d)
+                if n < len(d):
+                    drafts[s.seq.seq_id] = d[:n]
+                    q = qs[s.seq.seq_id]
+                    qs[s.seq.seq_id] = q[:n] if q is not None else None
         items = []
         for s in sched.scheduled:
             d = drafts.get(s.seq.seq_id, [])
@@ -588,6 +610,9 @@ class LLMEngine:
                 row_seqs.append(by_id[it.seq_id])
                 row_extra.append(d[:t])
         meta = self._sampling_metadata(row_seqs, row_extra)
+        # every position masked by its grammar: verification then accepts by the *constrained*
+        # distribution (exact), and logprobs are the masked logits'
+        logits, meta = apply_token_mask(logits, meta)
         processed = process_logits(logits, meta)
         for s in prefill:
             s.seq.num_computed_tokens = s.end
@@ -638,18 +663,29 @@ class LLMEngine:
         eos = self.cfg.eos_token_ids
         extra = extra or [[] for _ in seqs]
         masks = []
-        for s, e in zip(seqs, extra):
+        constrained = []
+        for i, (s, e) in enumerate(zip(seqs, extra)):
             p = s.params
-            if s.num_output_tokens + len(e) < p.min_tokens:
+            if s.matcher is not None:  # the grammar decides where it may end: no min_tokens
+                constrained.append((i, s.matcher, e))
+                masks.append([])
+            elif s.num_output_tokens + len(e) < p.min_tokens:
                 masks.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)))
             else:
                 masks.append([])
+        token_mask = None
+        if constrained:
+            from mixserve.structured_output import masks as grammar_masks
+
+            token_mask = grammar_masks.fill(self.grammars.executor, constrained, len(seqs), self.cfg.vocab_size)
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
             output_ids=[s.output_token_ids + e for s, e in zip(seqs, extra)],
             generators=[s.generator_at(s.num_tokens + len(e)) for s, e in zip(seqs, extra)],
             min_tokens_mask_ids=masks,
+            token_mask=token_mask,
+            constrained_rows=[i for i, _, _ in constrained],
         )
 
     def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
@@ -664,18 +700,31 @@ class LLMEngine:
             seq.first_token_time = now
         n_out = seq.num_output_tokens
         reason = None
-        if n_out >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.cfg.eos_token_ids):
+        # structured output: the matcher follows the output; a grammar that can go no further
+        # ends the request below, after the token's text (ignore_eos or not)
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(tok):  # a masked row sampled a forbidden token: a bug
+                log.error("request %s: token %d is not allowed by its grammar (%s); ended", seq.request_id, tok,
+                          seq.matcher.get_error())
+                reason = "error"
+            grammar_done = seq.matcher.is_stopped()
+        if reason is None and n_out >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.cfg.eos_token_ids):
             # an end or stop token is counted and has its logprob entry, but its text is not part of
             # the output (vLLM's detokenizer skips it too): it is never decoded
             reason, seq.stop_reason, new_text = "stop", tok, ""
-        else:
+        elif reason is None:
             new_text = detokenize_incrementally(self.tokenizer, seq) if self.tokenizer is not None else ""
+        else:
+            new_text = ""
         # `new_text` is what detokenization added; what the caller sees is _releasable_text()
         if reason is None and p.stop and new_text and n_out >= p.min_tokens:
             hit = find_stop_string(seq.text, len(new_text), p.stop)
             if hit is not None:
                 seq.text = seq.text[:hit[0]]
                 reason, seq.stop_reason = "stop", hit[1]
+        if reason is None and grammar_done:
+            reason = "stop"
         if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:

@@ -2,6 +2,8 @@
 
 Pipeline per row, in this order (vLLM v1 / HF conventions):
 
+0. structured output: a constrained row's tokens that its grammar forbids are set to -inf
+   (`SamplingMetadata.token_mask`, structured_output/masks.py), before everything else.
 1. min_tokens: the ids in `SamplingMetadata.min_tokens_mask_ids` (EOS and stop token ids while
    the output is shorter than `min_tokens`) are set to -inf.
 2. repetition penalty (Keskar et al. 2019, CTRL) over prompt + output tokens: a positive logit
@@ -21,15 +23,17 @@ min-p after both (min-p and top-k commute; top-p and min-p do not).
 
 Logprobs are always taken from the RAW model logits (log_softmax before any penalty,
 temperature or filter), which is vLLM v1's default ("raw_logprobs") and what
-`SamplingParams.logprobs` promises.
+`SamplingParams.logprobs` promises; for a constrained row, the raw logits after its grammar's mask
+(step 0), so a forbidden token has logprob -inf.
 
 Each step runs only when some row in the batch needs it; an all-greedy batch with no penalties
 and no min_tokens mask is a single argmax over [N, V], with no copy of the logits.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +57,9 @@ class SamplingMetadata:
         min_tokens_mask_ids: per row, token ids to forbid because the output is still shorter
             than min_tokens (EOS + stop_token_ids); empty list when none. Ids outside
             [0, V) are ignored, since such a token can never be sampled anyway.
+        token_mask: int32 [N, ceil(V / 32)] grammar bitmasks (structured_output/masks.py), read
+            for `constrained_rows` only; None when no row is constrained.
+        constrained_rows: the rows whose grammar masks their logits.
     """
 
     params: list[SamplingParams]
@@ -60,6 +67,20 @@ class SamplingMetadata:
     output_ids: list[list[int]]
     generators: list[torch.Generator | None]
     min_tokens_mask_ids: list[list[int]]
+    token_mask: torch.Tensor | None = None
+    constrained_rows: list[int] = field(default_factory=list)
+
+
+def apply_token_mask(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, SamplingMetadata]:
+    """(logits with the constrained rows' forbidden tokens at -inf, meta without the masks): a new
+    tensor where a row is constrained (the input is never modified), else `logits` itself; the
+    meta returned has nothing left to mask, so masking is done once per step."""
+    if not meta.constrained_rows:
+        return logits, meta
+    from mixserve.structured_output import masks
+
+    return (masks.apply(logits, meta.constrained_rows, meta.token_mask),
+            dataclasses.replace(meta, token_mask=None, constrained_rows=[]))
 
 
 @dataclass
@@ -233,7 +254,7 @@ def _apply_min_p(out: torch.Tensor, params: list[SamplingParams]) -> None:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Apply min_tokens masking, penalties, temperature, top-k, top-p and min-p.
+    """Apply the grammar masks, min_tokens masking, penalties, temperature, top-k, top-p and min-p.
 
     Args:
         logits: [N, V] raw model logits; float32 expected, other float dtypes are upcast.
@@ -253,6 +274,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     (nucleus sampling); min-p, Nguyen et al. 2024. Order and ties: see the module docstring.
     """
     _check(logits, meta)
+    logits, meta = apply_token_mask(logits, meta)
     out = logits.to(dtype=torch.float32, copy=True, memory_format=torch.contiguous_format)
     params = meta.params
     _apply_min_tokens(out, meta)
@@ -322,7 +344,8 @@ class Sampler:
         Returns:
             SamplerOutput with N token ids and N logprob entries (None where not requested).
             Logprobs come from log_softmax of the raw logits, before penalties, temperature
-            and filters (vLLM v1 default).
+            and filters (vLLM v1 default); for a constrained row, of the raw logits after its
+            grammar's mask.
 
         Raises:
             ValueError / TypeError: as `process_logits`.
@@ -331,6 +354,8 @@ class Sampler:
         """
         _check(logits, meta)
         raw = logits if logits.dtype == torch.float32 else logits.float()
+        # constrained rows masked once, here: their logprobs are those of the masked logits
+        raw, meta = apply_token_mask(raw, meta)
         n = raw.shape[0]
         params = meta.params
         device = raw.device

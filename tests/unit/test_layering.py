@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "mixserve"
 
-CORE = ("engine", "kv", "layers", "models", "quant", "spec_decode", "data")
+CORE = ("engine", "kv", "layers", "models", "quant", "spec_decode", "data", "structured_output")
 OUTER = ("server", "replicas", "bench", "plan", "cli")
 FORBIDDEN = {core: OUTER for core in CORE}
 FORBIDDEN["layers"] += ("models",)
@@ -27,15 +27,15 @@ FORBIDDEN["quant"] += ("engine",)
 # modules env, device, startup, sampling_params, sequence, open to all; llm is mixserve/llm.py)
 OPEN = {"env", "device", "startup", "sampling_params", "sequence", ""}
 ALLOWED = {
-    "env": set(), "layers": set(), "kv": set(), "data": {"kv"},
+    "env": set(), "layers": set(), "kv": set(), "data": {"kv"}, "structured_output": set(),
     "quant": {"layers", "models", "data"},
     "models": {"layers", "quant"},
     "spec_decode": {"engine", "kv"},
-    "engine": {"kv", "layers", "models", "spec_decode"},
+    "engine": {"kv", "layers", "models", "spec_decode", "structured_output"},
     "llm": {"engine"},
     "bench": {"engine", "kv", "models", "data"},
     "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data", "replicas"},
-    "server": {"engine", "kv"},
+    "server": {"engine", "kv", "structured_output"},
     "replicas": {"engine", "kv", "server", "models"},
 }
 

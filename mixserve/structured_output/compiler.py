@@ -1,0 +1,154 @@
+"""Compiling a request's constraint against the model's tokenizer, once per constraint (llguidance).
+
+One `GrammarCompiler` per engine. It holds llguidance's view of the tokenizer (LLTokenizer),
+built once, on first use, with the width of the model's logits: the 0.5B's logits are 151,936
+wide against a 151,665-token vocabulary, and the padding ids are then always masked. It also
+holds the compiled grammars, cached per constraint (`StructuredOutputs.key`), and an LLExecutor
+that fills a step's masks on its own threads without the GIL (masks.py).
+
+A grammar compiles on a worker thread with a time limit (`timeout_s`) and llguidance's resource
+limits (LLParserLimits): an expensive schema is refused with a reason instead of stalling the
+caller. The engine compiles in `check_request`, which the server calls off the engine's thread;
+`matcher()` then hands each sequence a copy of the compiled matcher (a deep copy, no compile).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from mixserve.structured_output.spec import StructuredOutputs
+
+log = logging.getLogger("mixserve")
+
+# A grammar text this long is refused before llguidance reads it: schemas users send are KBs; the
+# server's body limit bounds it too, but the Python API has none
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def tokenizer_json(tokenizer) -> str:
+    """The tokenizer as `tokenizers`' JSON (what llguidance's LLTokenizer reads): from mixserve's own
+    Tokenizer (models/tokenizer.py) or a transformers fast tokenizer. Raises ValueError for any other
+    (a slow tokenizer has no such JSON)."""
+    rust = getattr(tokenizer, "_tok", None) or getattr(tokenizer, "backend_tokenizer", None)
+    if rust is None or not hasattr(rust, "to_str"):
+        raise ValueError("structured output needs a fast (tokenizers) tokenizer; this model's is "
+                         f"{type(tokenizer).__name__}")
+    import copy
+
+    rust = copy.copy(rust)  # padding and truncation settings are the caller's: not in the copy we read
+    rust.no_padding()
+    rust.no_truncation()
+    return rust.to_str()
+
+
+class GrammarCompiler:
+    """Compiles constraints into llguidance matchers for one model (thread-safe).
+
+    Args:
+        new_tokenizer: gives the model's tokenizer (mixserve's Tokenizer or an HF fast tokenizer),
+            called once: an instance of its own, since one tokenizer must not serve two threads.
+        vocab_size: the width of the model's logits (ids at and past the tokenizer's vocabulary
+            are never allowed).
+        eos_ids: the model's end-of-sequence ids: allowed where the grammar accepts.
+        timeout_s: the longest a compile may take before the request is refused.
+        cache_size: compiled grammars kept (least recently used dropped).
+        threads: threads of the mask executor (LLExecutor).
+    """
+
+    def __init__(self, new_tokenizer, vocab_size: int, eos_ids: list[int], timeout_s: float = 10.0,
+                 cache_size: int = 256, threads: int = 2):
+        self._new_tokenizer = new_tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = list(eos_ids)
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self.threads = max(1, threads)
+        self._lock = threading.Lock()
+        self._view = None
+        self._executor = None
+        self._cache: OrderedDict[str, object] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixserve-grammar")
+        self.compile_times: list[float] = []  # seconds per compiled (not cached) constraint
+
+    def view(self):
+        """llguidance's LLTokenizer for this model, built on first use (~1 s for a 150k vocabulary)."""
+        with self._lock:
+            if self._view is None:
+                from llguidance import LLTokenizer
+
+                t0 = time.perf_counter()
+                self._view = LLTokenizer(tokenizer_json(self._new_tokenizer()), n_vocab=self.vocab_size,
+                                         eos_token=self.eos_ids)
+                log.info("structured output: the tokenizer's view built in %.2f s", time.perf_counter() - t0)
+            return self._view
+
+    @property
+    def executor(self):
+        """The LLExecutor that fills masks in parallel (masks.py)."""
+        with self._lock:
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor(self.threads)
+            return self._executor
+
+    def compile(self, spec: StructuredOutputs):
+        """The compiled matcher of `spec` (shared: copy it with `matcher()` before use), from the
+        cache or compiled now on the worker thread.
+
+        Raises:
+            ValueError: naming spec.source, where llguidance refuses the schema or grammar (its
+                message), the grammar text is over MAX_GRAMMAR_BYTES, or the compile takes longer
+                than timeout_s.
+        """
+        key = spec.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        text = spec.grammar_text()
+        if len(text.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"{spec.source}: the grammar is {len(text.encode())} bytes; at most "
+                             f"{MAX_GRAMMAR_BYTES} are compiled")
+        view = self.view()
+        t0 = time.perf_counter()
+        fut = self._pool.submit(_build, view, text)
+        try:
+            m, err = fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            # the worker thread runs on to llguidance's own limits; the next compile waits for it
+            raise ValueError(f"{spec.source}: the grammar took over {self.timeout_s:g} s to compile") from None
+        if err:
+            raise ValueError(f"{spec.source}: {err}")
+        self.compile_times.append(time.perf_counter() - t0)
+        with self._lock:
+            self._cache[key] = m
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def matcher(self, spec: StructuredOutputs):
+        """A fresh matcher for one sequence (its own state), at the grammar's start."""
+        return self.compile(spec).deep_copy()
+
+
+def _build(view, text: str):
+    """(matcher, "") or (None, error message): a matcher at its start, its first mask computed, so
+    that a grammar whose lexer fails on the first step is refused here rather than in a step."""
+    from llguidance import LLMatcher
+
+    try:
+        m = LLMatcher(view, text, log_level=0)
+    except Exception as e:  # noqa: BLE001 -- llguidance's message is the reason given
+        return None, str(e)
+    if m.is_error():
+        return None, m.get_error()
+    m.compute_bitmask()  # builds the lexer's first states now, off the engine's thread
+    if m.is_error():
+        return None, m.get_error()
+    return m, ""

@@ -1,0 +1,81 @@
+"""A step's token masks: filled by llguidance for the constrained rows, applied to the logits in one op.
+
+A mask is llguidance's bitmask: int32 words, bit b of word w allowing token 32w + b. `fill` computes
+the rows' masks on the LLExecutor's threads (Rust, without the GIL), each row at its matcher's state
+plus a draft prefix (speculative verification scores a draft's positions in one pass: position t
+is masked as the grammar stands after the draft's first t tokens). `apply` then sets every
+disallowed logit of those rows to -inf in one batched masked_fill; rows without a grammar are not
+touched and no Python loop runs over the vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def words(vocab_size: int) -> int:
+    """int32 words per row's mask."""
+    return (vocab_size + 31) // 32
+
+
+def fill(executor, rows: list[tuple[int, object, list[int]]], num_rows: int, vocab_size: int) -> torch.Tensor:
+    """The masks of a step's rows: int32 [num_rows, words(vocab_size)]; for each (row, matcher,
+    prefix) of `rows`, that row masks the next token after the matcher's output plus `prefix` (a
+    speculative position: the draft tokens before it). Rows not listed are all ones.
+
+    Consecutive rows of one matcher whose prefixes grow by one token from empty (a draft's
+    positions in verification) are filled in one pass along the draft; a row whose prefix is not
+    such a continuation (a draft model's later steps) is filled from a copy of the matcher that
+    consumed its prefix. A prefix the grammar does not accept leaves its row all ones: the
+    position before it forbids the token, so verification never reaches it. The matchers'
+    states are unchanged. Runs on the executor's threads, without the GIL."""
+    mask = torch.full((num_rows, words(vocab_size)), -1, dtype=torch.int32)
+    entries: list[tuple[object, int, list[int]]] = []
+    for k, m, prefix in rows:
+        last = entries[-1] if entries else None
+        if (last is not None and last[0] is m and last[1] + len(last[2]) + 1 == k and len(prefix) == len(last[2]) + 1
+                and list(prefix[:-1]) == last[2]):
+            last[2].append(prefix[-1])  # the next position along the same draft
+        elif not prefix:
+            entries.append((m, k, []))
+        else:
+            c = m.deep_copy()
+            if c.consume_tokens(list(prefix)) and not c.is_error():
+                entries.append((c, k, []))
+    if not entries:
+        return mask
+    from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+    valid = []
+    for m, k, d in entries:  # a draft the grammar stops accepting is filled up to there
+        n = m.validate_tokens(d) if d else 0
+        valid.append((m, k, d[:n]))
+    drafted = [e for e in valid if e[2]]  # llguidance's draft pass takes non-empty drafts only
+    if drafted:
+        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, mask)
+    plain = [(m, k) for m, k, d in valid if not d]
+    if plain:
+        fill_next_token_bitmask_par(executor, plain, mask)
+    return mask
+
+
+def allowed(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size]: which tokens the int32 [R, W] bitmask allows."""
+    bits = (mask.unsqueeze(-1) >> _BITS.to(mask.device)) & 1
+    return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """`logits` [N, V] (float) with each listed row's disallowed tokens at -inf: a new tensor where
+    any row is listed (the input is never modified), else `logits` itself. mask: int32 [N, W]
+    (fill's), rows: the constrained rows' indices."""
+    if not rows:
+        return logits
+    out = logits.clone()
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    ok = allowed(mask.index_select(0, torch.tensor(rows, dtype=torch.long)), logits.shape[1]).to(logits.device)
+    sub = out.index_select(0, idx)
+    sub.masked_fill_(~ok, float("-inf"))
+    out.index_copy_(0, idx, sub)
+    return out

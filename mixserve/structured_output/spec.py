@@ -1,0 +1,108 @@
+"""What a request's output must match: a JSON schema, any JSON object, a regex, a choice or a grammar.
+
+The request's side of structured output (issue 33), with no engine in it: `SamplingParams.structured`
+holds one, the server builds one from OpenAI's `response_format` or vLLM's `structured_outputs`,
+and `grammar()` turns it into the llguidance grammar text that `compiler.GrammarCompiler` compiles.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+# JSON's separators as `json.dumps` writes them, and no other whitespace: generated JSON is
+# compact and cannot run away in indentation (the known failure of flexible whitespace), and
+# ", " / ": " are what models trained on Python-written JSON put most mass on
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One request's output constraint (exactly one of the fields is set).
+
+    Attributes:
+        json: a JSON schema (a dict, or its text): the output is one JSON value that validates
+            against it (llguidance's JSON Schema subset; an unsupported keyword is refused).
+        json_object: the output is any JSON object (OpenAI's `{"type": "json_object"}`).
+        regex: the output matches this regular expression (Rust `regex` syntax, anchored).
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar: Lark as llguidance reads it, or llama.cpp's GBNF (told
+            apart and converted by llguidance's any_to_lark).
+        source: the request field it came from, named in error messages (`response_format`,
+            `structured_outputs.json`, ...); not part of its identity.
+
+    Raises:
+        ValueError: from `validate()`: none or several fields set, or a field of the wrong type,
+            naming `source`.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    source: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming `source` unless exactly one constraint of the right type is set."""
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"{self.source}: give exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"{self.source}: a JSON schema must be an object (got {type(self.json).__name__})")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{self.source}: the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"{self.source}: a JSON schema must be an object (got {type(parsed).__name__})")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{self.source}: {name} must be a non-empty string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"{self.source}: choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """"json", "json_object", "regex", "choice" or "grammar"."""
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
+            if not self.json_object else "json_object"
+
+    def key(self) -> str:
+        """A canonical text of the constraint: equal constraints (a schema's keys in any order) give
+        equal keys, so a compiled grammar is cached once per constraint."""
+        value = {"json": lambda: json.loads(self.json) if isinstance(self.json, str) else self.json,
+                 "json_object": lambda: True, "regex": lambda: self.regex,
+                 "choice": lambda: list(self.choice), "grammar": lambda: self.grammar}[self.kind]()
+        return json.dumps([self.kind, value], sort_keys=True, ensure_ascii=False)
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar text for this constraint (not yet checked: the compiler checks it).
+
+        Raises ValueError naming `source` where llguidance refuses to read the schema."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        kind = self.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else self.json
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            if kind == "regex":
+                return LLMatcher.grammar_from_regex(self.regex)
+            if kind == "choice":
+                # Lark string literals, escaped as JSON strings are
+                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+                return LLMatcher.grammar_from_lark(f"start: {alts}\n")
+            # Lark as it is; GBNF (llama.cpp's, "name ::= ...") converted by llguidance
+            return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+        except Exception as e:  # noqa: BLE001 -- llguidance's own error text, as a 400
+            raise ValueError(f"{self.source}: {e}") from None

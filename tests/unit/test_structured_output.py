@@ -1,0 +1,187 @@
+"""Structured output's mechanics (issue 33) on a tiny random model made here, with SmolLM2's tokenizer.
+
+A random model babbles, so whatever it emits under a grammar is the grammar's doing: every output
+that ends with "stop" must match its constraint. The engine's other paths (speculation, preemption,
+mixed batches) must give the same tokens as the plain path.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import jsonschema
+import pytest
+import torch
+
+from mixserve import SamplingParams
+from mixserve.llm import LLM
+from mixserve.structured_output import StructuredOutputs
+from mixserve.structured_output import masks
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+SCHEMAS = [
+    SCHEMA,
+    {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "number"}, "y": {"type": "number"}},
+     "required": ["kind", "x", "y"], "additionalProperties": False},
+    {"anyOf": [{"type": "string", "pattern": "^[a-z]{1,8}$"}, {"type": "null"}]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"],
+     "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mixserve.models.weights import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("so") / "tiny-smol-vocab"
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
+    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
+    src = load_tokenizer(smollm2_path).name_or_path
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{f}", folder / f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny, dtype="float32", kv_cache_memory="16MiB", progress=False)
+
+
+def json_params(schema, t, seed, max_tokens=96, **kw):
+    return SamplingParams(temperature=t, seed=seed, max_tokens=max_tokens, structured=StructuredOutputs(json=schema),
+                          **kw)
+
+
+def test_every_finished_output_matches_its_schema_greedy_and_sampled(llm):
+    sps = [json_params(s, t, seed) for s in SCHEMAS for t in (0.0, 1.0) for seed in range(3)]
+    outs = llm.generate(["Reply in JSON:"] * len(sps), sps)
+    stopped = 0
+    for sp, o in zip(sps, outs):
+        if o.finish_reason == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(o.text), sp.structured.json)
+        else:
+            assert o.finish_reason == "length"
+    assert stopped >= len(sps) * 3 // 4, f"only {stopped} of {len(sps)} finished"
+
+
+def test_regex_and_choice_and_lark_grammar(llm):
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2,4}"))
+           for s in range(3)]
+    sps += [SamplingParams(temperature=1.0, seed=s, max_tokens=20,
+                           structured=StructuredOutputs(choice=["yes", "no", "maybe not"])) for s in range(3)]
+    lark = 'start: "(" num ("+" num)* ")"\nnum: /[1-9][0-9]?/\n'
+    sps += [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured=StructuredOutputs(grammar=lark))
+            for s in range(3)]
+    gbnf = 'root ::= "x" [0-9] [0-9]'
+    sps += [SamplingParams(temperature=1.0, seed=0, max_tokens=10, structured=StructuredOutputs(grammar=gbnf))]
+    outs = llm.generate(["Answer:"] * len(sps), sps)
+    for o in outs[:3]:
+        assert o.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", o.text), o.text
+    for o in outs[3:6]:
+        assert o.finish_reason == "stop" and o.text in ("yes", "no", "maybe not"), o.text
+    for o in outs[6:9]:
+        assert o.finish_reason == "length" or re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", o.text), o.text
+    assert outs[9].finish_reason == "stop" and re.fullmatch(r"x[0-9][0-9]", outs[9].text), outs[9].text
+
+
+def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(llm):
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, structured=StructuredOutputs(choice=["alpha", "beta"]))
+    o = llm.generate(["Pick:"], sp)[0]
+    assert o.finish_reason == "stop" and o.text in ("alpha", "beta")
+    assert len(o.token_ids) < 50
+
+
+def test_free_rows_beside_constrained_ones_are_untouched(llm):
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["Tell me:"], free)[0].token_ids
+    mixed = llm.generate(["Tell me:", "Reply in JSON:", "Tell me:"],
+                         [free, json_params(SCHEMA, 1.0, 7), SamplingParams(temperature=1.0, seed=3, max_tokens=24)])
+    assert mixed[0].token_ids == alone
+
+
+def test_constrained_output_is_the_same_with_speculation_and_under_preemption(tiny, llm):
+    sps = [json_params(s, t, seed) for s in SCHEMAS[:3] for t in (0.0, 1.0) for seed in (0, 1)]
+    prompts = ["Reply in JSON:"] * len(sps)
+    plain = [o.token_ids for o in llm.generate(prompts, sps)]
+    spec = LLM(tiny, dtype="float32", kv_cache_memory="16MiB", progress=False, draft_model="ngram",
+               speculation="fixed", num_speculative_tokens=4)
+    got = spec.generate(prompts, sps)
+    assert [o.token_ids for o in got] == plain
+    # drafts were proposed and some checked against the grammar (a random model's n-grams repeat)
+    assert sum(o.metrics["spec_proposed"] for o in got) > 0
+    # a cache of a few blocks: the sequences preempt one another and recompute, matchers kept
+    from mixserve.models.config import ModelConfig
+
+    block_bytes = 4 * ModelConfig.from_folder(tiny).kv_bytes_per_token(4)  # 40 blocks of 4 tokens
+    small = LLM(tiny, dtype="float32", kv_cache_memory=40 * block_bytes, block_size=4, progress=False)
+    got = small.generate(prompts, sps)
+    assert [o.token_ids for o in got] == plain
+    assert sum(o.metrics["num_preemptions"] for o in got) > 0
+
+
+def test_logprobs_are_those_of_the_masked_logits(llm):
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=10, logprobs=5,
+                        structured=StructuredOutputs(choice=["yes", "no"]))
+    o = llm.generate(["Pick:"], sp)[0]
+    tok = llm.engine.tokenizer
+    first = o.logprobs[0]
+    # only the tokens that start "yes" or "no" are allowed: every alternative with a finite
+    # logprob is one of them, and the allowed ones' probabilities sum to 1
+    finite = [(t, lp) for t, lp in first.top if lp > float("-inf")]
+    assert finite and all(("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t]))) for t, _ in finite)
+    assert abs(sum(torch.tensor([lp for _, lp in finite]).exp().tolist()) - 1.0) < 1e-4 or len(finite) == 5
+
+
+def test_bad_constraints_are_refused_naming_the_field_and_the_engine_serves_on(llm):
+    bad = [StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}, source="response_format"),
+           StructuredOutputs(regex="(unclosed", source="structured_outputs.regex"),
+           StructuredOutputs(grammar="start: undefined_rule\n", source="structured_outputs.grammar")]
+    for spec in bad:
+        with pytest.raises(ValueError, match=re.escape(spec.source) + ":"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured=spec))
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs(json="{not json")
+    assert llm.engine.block_manager.num_used_blocks == 0
+    o = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=4, structured=StructuredOutputs(choice=["ok"])))[0]
+    assert o.text == "ok"
+
+
+def test_a_constraint_compiles_once_and_its_copies_are_independent(llm):
+    g = llm.engine.grammars
+    spec = StructuredOutputs(json={"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+    before = len(g.compile_times)
+    a, b = g.matcher(spec), g.matcher(StructuredOutputs(json=json.dumps(spec.json)))
+    assert len(g.compile_times) == before + 1  # the same schema as text: the same key
+    assert a.consume_token(llm.engine.tokenizer.encode("[")[0])
+    assert not b.is_stopped() and b.validate_tokens(llm.engine.tokenizer.encode("[")) == 1
+
+
+def test_mask_application_matches_the_bitmask_bit_for_bit():
+    torch.manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word's high bits are past the vocabulary
+    mask = torch.randint(-2**31, 2**31 - 1, (3, masks.words(vocab)), dtype=torch.int32)
+    logits = torch.randn(3, vocab)
+    out = masks.apply(logits, [0, 2], mask)
+    for r in range(3):
+        for t in range(vocab):
+            bit = (int(mask[r, t // 32]) >> (t % 32)) & 1
+            if r == 1 or bit:
+                assert out[r, t] == logits[r, t]
+            else:
+                assert out[r, t] == float("-inf")
+    assert masks.apply(logits, [], mask) is logits
