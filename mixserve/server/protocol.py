@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mixserve.sampling_params import SamplingParams
+from mixserve.structured_output import StructuredOutputs
 
 
 class APIError(Exception):
@@ -34,7 +35,7 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> API
 # OpenAI parameters that exist but are not implemented here: refused unless null
 UNSUPPORTED = {
     "completions": {"best_of", "logit_bias", "suffix"},
-    "chat": {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "chat": {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
              "logit_bias", "audio", "modalities", "prediction", "reasoning_effort", "service_tier", "store",
              "metadata", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier"},
 }
@@ -52,7 +53,9 @@ class _Sampling(_Strict):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extensions min_tokens,
     ignore_eos, top_k, min_p, repetition_penalty, return_token_ids, and cache_salt: a string
     mixed into the prefix cache's block hashes, so only requests with the same salt share
-    cached KV blocks)."""
+    cached KV blocks). Structured output: OpenAI's `response_format` (on completions too, as
+    vLLM), vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar` (`structured`)."""
 
     model: str
     temperature: float = 1.0
@@ -72,6 +75,12 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     cache_salt: str | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -154,6 +163,78 @@ def parse_request(kind: str, body) -> CompletionRequest | ChatCompletionRequest:
         raise bad_request(field, msg) from None
 
 
+# vLLM's StructuredOutputsParams fields served here, and the StructuredOutputs field each fills
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+
+
+def structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+    """The request's output constraint, from whichever of response_format, structured_outputs or
+    guided_* it gives (None: free text). `strict: false` in a json_schema is served with the
+    same grammar, as vLLM does.
+
+    Raises APIError(400) naming the field: more than one of them, an unknown response_format
+    type, a json_schema without its schema's object, a structured_outputs key not served, or a
+    constraint StructuredOutputs refuses (its wrong type or JSON)."""
+    given = [f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                         "guided_grammar") if getattr(req, f) is not None]
+    if len(given) > 1:
+        raise bad_request(given[1], f"{given[1]}: give one output constraint, not {' and '.join(given)}")
+    if not given:
+        return None
+    field = given[0]
+    try:
+        if field == "response_format":
+            rf = req.response_format
+            kind = rf.get("type")
+            extra = set(rf) - {"type", "json_schema"}
+            if extra:
+                raise bad_request("response_format", f"response_format.{sorted(extra)[0]}: unknown field")
+            if kind == "text":
+                return None
+            if kind == "json_object":
+                return StructuredOutputs(json_object=True, source="response_format")
+            if kind != "json_schema":
+                raise bad_request("response_format", f"response_format.type: must be text, json_object or "
+                                                     f"json_schema (got {kind!r})")
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad_request("response_format", "response_format.json_schema: is required with type json_schema "
+                                                     "and must be an object")
+            unknown = set(js) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise bad_request("response_format", f"response_format.json_schema.{sorted(unknown)[0]}: unknown field")
+            if not isinstance(js.get("name"), str) or not js["name"]:
+                raise bad_request("response_format", "response_format.json_schema.name: is required (a string)")
+            if js.get("strict") is not None and not isinstance(js["strict"], bool):
+                raise bad_request("response_format", "response_format.json_schema.strict: must be true or false")
+            schema = js.get("schema")
+            if schema is None:  # a name alone: any JSON object (OpenAI's schema is optional)
+                return StructuredOutputs(json_object=True, source="response_format")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format", "response_format.json_schema.schema: must be an object")
+            return StructuredOutputs(json=schema, source="response_format")
+        if field == "structured_outputs":
+            so = req.structured_outputs
+            keys = [k for k, v in so.items() if v is not None and v is not False]
+            bad = [k for k in keys if k not in _STRUCTURED_KEYS]
+            if bad:
+                raise bad_request("structured_outputs", f"structured_outputs.{bad[0]}: not supported by this server "
+                                                        f"(json, regex, choice, grammar or json_object)")
+            if len(keys) != 1:
+                raise bad_request("structured_outputs", "structured_outputs: give exactly one of json, regex, choice, "
+                                                        f"grammar, json_object (got {', '.join(keys) or 'none'})")
+            k = keys[0]
+            value = so[k]
+            if k == "json_object" and value is not True:
+                raise bad_request("structured_outputs", "structured_outputs.json_object: must be true")
+            return StructuredOutputs(**{_STRUCTURED_KEYS[k]: value}, source=f"structured_outputs.{k}")
+        return StructuredOutputs(**{field.removeprefix("guided_"): getattr(req, field)}, source=field)
+    except (TypeError, ValueError) as e:  # StructuredOutputs' own checks name their source
+        msg = str(e)
+        raise bad_request(field, msg if msg.startswith(field) else f"{field}: {msg}") from None
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, seed: int | None,
                     logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one choice. Raises APIError(400) naming the field (in the request's
@@ -161,8 +242,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     if max_tokens == 0 and isinstance(req, ChatCompletionRequest):
         field = "max_completion_tokens" if req.max_tokens is None else "max_tokens"
         raise bad_request(field, f"{field}: must be >= 1 (a reply of no tokens is not a reply)")
+    constraint = structured(req)
     try:
-        return SamplingParams(prompt_logprobs=prompt_logprobs,
+        return SamplingParams(prompt_logprobs=prompt_logprobs, structured=constraint,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, seed=seed, max_tokens=max_tokens,
@@ -176,6 +258,8 @@ def field_error(req, err: ValueError) -> tuple[str | None, str]:
     renamed to what this request called it."""
     msg = str(err)
     field = msg.split(":", 1)[0] if ":" in msg else None
+    if field is not None and field.startswith("structured_outputs."):
+        field = "structured_outputs"  # the request's own field; the message names the key
     rename = {}
     if isinstance(req, ChatCompletionRequest):
         rename["logprobs"] = "top_logprobs"
