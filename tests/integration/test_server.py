@@ -486,7 +486,25 @@ BAD = [
     (CH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     (CH, {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     (CH, {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
-    (CH, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    # structured output (issue 33): every bad constraint a 400 naming its field
+    (CH, {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    (CH, {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    (CH, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),
+    (CH, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "wat"}}}}, "response_format"),
+    (CH, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    (C, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format"),
+    (C, {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    (C, {"prompt": "hi", "structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs"),
+    (C, {"prompt": "hi", "structured_outputs": {"choice": []}}, "structured_outputs"),
+    (C, {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    (C, {"prompt": "hi", "structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    (C, {"prompt": "hi", "structured_outputs": "json"}, "structured_outputs"),
+    (C, {"prompt": "hi", "guided_json": "{not json"}, "guided_json"),
+    (C, {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     (CH, {"messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
     (CH, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CH, {"messages": CHAT, "max_completion_tokens": 600}, "max_completion_tokens"),
@@ -515,11 +533,40 @@ def test_bad_inputs_named_then_good_request(server, client):
     r = httpx.post(server.url + "/v1/completions", content=deep, headers=h)
     assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the official client sees it as such
-        client.chat.completions.create(model=NAME, messages=CHAT, response_format={"type": "json_object"})
+        client.chat.completions.create(model=NAME, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}})
     assert e.value.body["param"] == "response_format"
+    assert server.engine.block_manager.num_used_blocks == 0
     assert not server.engine.has_unfinished()
     r = client.completions.create(model=NAME, prompt="hi", max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_response_format_with_the_openai_client(server, client):
+    """json_schema through the official client: n = 3 sampled answers and a streamed one, each
+    parsing and validating; json_object on completions too; the same stream joined equals the
+    non-streamed answer (seeded)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Name a large city and its population, as JSON."}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, response_format=rf, n=3, temperature=1, seed=5,
+                                       max_tokens=200)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), schema)
+    stream = client.chat.completions.create(model=NAME, messages=msgs, response_format=rf, temperature=1, seed=5,
+                                            max_tokens=200, stream=True)
+    joined = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert joined == r.choices[0].message.content
+    r = client.completions.create(model=NAME, prompt="A JSON object:", max_tokens=100, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(r.choices[0].text), dict) or r.choices[0].finish_reason == "length"
+    assert server.wait_idle(30) and server.engine.block_manager.num_used_blocks == 0
 
 
 def _blocked_engine(server):
