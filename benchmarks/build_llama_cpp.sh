@@ -13,6 +13,9 @@
 # LLAMA_ISA=avx2: the AVX2-only build instead (AVX512* OFF, as on a CPU without AVX-512; issue 43's
 # comparison for `MIXSERVE_ISA=avx2`), landing as $OUT/bin/llama-bench-avx2 from $OUT/build-avx2.
 #
+# LLAMA_SERVER=1: llama-server too (benchmarks/structured_vs_llama.py, issue 33), landing as
+# $OUT/bin/llama-server.
+#
 # Where it lands: $OUT/bin/llama-bench, OUT = ${XDG_CACHE_HOME:-~/.cache}/mixserve/llama.cpp (the
 # default path decode_vs_peers.py looks at). Build tree: $OUT/build; source: $OUT/src.
 #
@@ -33,6 +36,8 @@ srcdir="$OUT/src/llama_cpp_python-$LCP_VERSION"
 [ -d "$srcdir" ] || tar xzf "$sdist" -C "$OUT/src"
 llama="$srcdir/vendor/llama.cpp"
 
+server=OFF
+[ -n "${LLAMA_SERVER:-}" ] && server=ON
 if [ "${LLAMA_ISA:-}" = avx2 ]; then
     avx512=OFF; build="$OUT/build-avx2"; bin="$OUT/bin/llama-bench-avx2"
 else
@@ -40,10 +45,13 @@ else
 fi
 cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$server \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
     -DGGML_AVX512=$avx512 -DGGML_AVX512_VBMI=$avx512 -DGGML_AVX512_VNNI=$avx512 -DGGML_AVX512_BF16=$avx512 \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
-cmake --build "$build" --target llama-bench -j2
+targets="llama-bench"
+if [ "$server" = ON ]; then targets="$targets llama-server"; fi
+cmake --build "$build" --target $targets -j2
 cp "$build/bin/llama-bench" "$bin"
+if [ "$server" = ON ]; then cp "$build/bin/llama-server" "$(dirname "$bin")/llama-server"; fi
 echo "llama-bench: $bin (llama.cpp $(git -C "$llama" rev-parse --short HEAD 2>/dev/null || echo '?'))"

@@ -213,6 +213,9 @@ class LLMEngine:
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
+        # structured output: seconds spent filling grammar masks, and the rows they masked
+        self.grammar_mask_s = 0.0
+        self.grammar_mask_rows = 0
         self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling
         self.step_request_ids: list[str] | None = None  # requests the current/last step scheduled
         self._ids = itertools.count()
@@ -677,7 +680,10 @@ class LLMEngine:
         if constrained:
             from mixserve.structured_output import masks as grammar_masks
 
+            t0 = time.perf_counter()
             token_mask = grammar_masks.fill(self.grammars.executor, constrained, len(seqs), self.cfg.vocab_size)
+            self.grammar_mask_s += time.perf_counter() - t0
+            self.grammar_mask_rows += len(constrained)
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],

@@ -1,4 +1,4 @@
-"""Structured output on the real models (issue 33): 24 schemas of our own (tests/structured_schemas.py),
+"""Structured output on the real models (issue 33): 24 schemas of our own (mixserve/data/schemas.py),
 every output that ends with "stop" validates against its schema, and few run out of tokens."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mixserve import SamplingParams
 from mixserve.llm import LLM
 from mixserve.structured_output import StructuredOutputs
-from tests.structured_schemas import SCHEMAS, prompt
+from mixserve.data.schemas import SCHEMAS, prompt
 
 pytestmark = pytest.mark.integration
 
