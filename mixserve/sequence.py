@@ -85,6 +85,9 @@ class Sequence:
     # structured output: the llguidance matcher of params.structured, at the output so far (it has
     # consumed every output token; kept across preemption, as the tokens are)
     matcher: object | None = None
+    # ... or, for a constraint that starts after a token (params.structured.after), that token's id
+    # until the output holds it: then the matcher is made and this is None
+    grammar_trigger: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

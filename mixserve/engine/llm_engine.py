@@ -330,6 +330,7 @@ class LLMEngine:
             if self.grammars is None:
                 raise ValueError(f"{params.structured.source}: this model has no tokenizer, so no grammar")
             self.grammars.compile(params.structured)  # cached: add_request copies it
+            self.grammars.trigger_token(params.structured)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -375,7 +376,9 @@ class LLMEngine:
         seq = Sequence(request_id, text, ids, params)
         seq.cache_salt = cache_salt
         if params.structured is not None:
-            seq.matcher = self.grammars.matcher(params.structured)
+            seq.grammar_trigger = self.grammars.trigger_token(params.structured)
+            if seq.grammar_trigger is None:
+                seq.matcher = self.grammars.matcher(params.structured)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
@@ -592,7 +595,12 @@ class LLMEngine:
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
         for s in decode:  # structured output: a draft ends at its first token the grammar forbids
             d, m = drafts[s.seq.seq_id], s.seq.matcher
-            if m is not None and d:
+            if s.seq.grammar_trigger in d:  # ... and before a constraint's start: what follows is masked
+                cut = d.index(s.seq.grammar_trigger)
+                drafts[s.seq.seq_id] = d[:cut]
+                q = qs[s.seq.seq_id]
+                qs[s.seq.seq_id] = q[:cut] if q is not None else None
+            elif m is not None and d:
                 n = m.validate_tokens(d)
                 if n < len(d):
                     drafts[s.seq.seq_id] = d[:n]
@@ -715,6 +723,10 @@ class LLMEngine:
                           seq.matcher.get_error())
                 reason = "error"
             grammar_done = seq.matcher.is_stopped()
+        elif seq.grammar_trigger is not None and tok == seq.grammar_trigger:
+            # the constraint starts after this token: the next step is masked
+            seq.grammar_trigger = None
+            seq.matcher = self.grammars.matcher(p.structured)
         if reason is None and n_out >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.cfg.eos_token_ids):
             # an end or stop token is counted and has its logprob entry, but its text is not part of
             # the output (vLLM's detokenizer skips it too): it is never decoded

@@ -33,6 +33,7 @@ from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloa
 from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs,
                                       empty_completion_logprobs, join_logprobs, prompt_logprobs)
 from mixserve.server.metrics import ServerMetrics
+from mixserve.server import tool_calls
 from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_api_key,
                                       field_error, parse_request, sampling_params)
 
@@ -146,6 +147,7 @@ class _Choice:
     prompt_logprobs: list | None = None  # echo + logprobs: the engine's prompt TokenLogprobs
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     metrics: dict = field(default_factory=dict)  # the last output's
+    tool_stream: object = None  # streaming with tools: its ToolStream (server/tool_calls.py)
 
 
 @dataclass
@@ -166,6 +168,12 @@ class _Job:
     salt: str | None = None  # the prefix-cache salt of its requests
     tag: str = "serve"
     arrival_wall: float = 0.0  # time.time() at arrival
+    tools: object = None  # a chat request's ToolPlan (server/tool_calls.py), None without tools
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether replies are read for tool calls (tools given, tool_choice not none)."""
+        return self.tools is not None and self.tools.choice != "none"
 
     def by_id(self) -> dict[str, _Choice]:
         return {c.request_id: c for c in self.choices}
@@ -412,11 +420,13 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             raise bad_request("seed", f"seed: must be an integer in [0, 2**63) (got {req.seed})")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options", "stream_options: only allowed with stream: true")
+        tools = None
         if kind == "completions":
             prompts = completion_prompts(req)
             logprobs = req.logprobs
         else:
-            prompts = [chat_prompt(req)]
+            tools = tool_calls.plan(req, engine.grammars.lark_literal if engine.grammars is not None else json.dumps)
+            prompts = [chat_prompt(req, tools)]
             if req.top_logprobs is not None and not req.logprobs:
                 raise bad_request("top_logprobs", "top_logprobs: requires logprobs: true")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -437,7 +447,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 # echo + logprobs: the prompt's own token logprobs too (prompt scoring); every
                 # sample of the prompt scores it in its own prefill (no shared prefill then)
                 scored = logprobs if kind == "completions" and req.echo and logprobs is not None else None
-                sp = sampling_params(req, max_tokens, seed, logprobs, scored)
+                sp = (sampling_params(req, max_tokens, seed, logprobs, scored) if tools is None
+                      else sampling_params(req, max_tokens, seed, logprobs, scored, constraint=tools.constraint))
                 try:
                     engine.check_request(ids, sp)
                 except ValueError as e:
@@ -448,7 +459,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             field = "n" if len(prompts) == 1 else "prompt"
             raise bad_request(field, f"{field}: {len(prompts)} prompt(s) x n={req.n} = {len(choices)} samples; "
                                      f"this server queues at most {loop.max_waiting} (--max-waiting)")
-        return _Job(job_id, kind, req, prompts, choices, int(time.time()), logprobs, params)
+        return _Job(job_id, kind, req, prompts, choices, int(time.time()), logprobs, params, tools=tools)
 
     def completion_prompts(req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         raw = req.prompt
@@ -473,14 +484,15 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 out.append((None, list(p)))
         return out
 
-    def chat_prompt(req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def chat_prompt(req: ChatCompletionRequest, tools=None) -> tuple[str, list[int]]:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request("messages", "messages: this model has no chat template; use /v1/completions")
         if not req.messages:
             raise bad_request("messages", "messages: must not be empty")
-        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        conv = tool_calls.template_messages(req.messages)
         try:
-            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+                                                 **({"tools": tools.tools} if tools is not None else {}))
         except Exception as e:  # the template's own checks (e.g. roles must alternate)
             raise bad_request("messages", f"messages: the chat template refused them: {e}") from None
         # The template writes BOS and the other special tokens itself: encoding must not add a second BOS.
@@ -610,14 +622,25 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 lp = chat_logprobs(c.logprobs, token_text)
                 if lp is None and job.logprobs is not None:
                     lp = {"content": []}
-                ch = {"index": c.index, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": c.finish_reason}
+                msg, finish = {"role": "assistant", "content": text}, c.finish_reason
+                if job.calls_tools:
+                    msg["content"], calls = tool_calls.split_calls(text, job.tools.names)
+                    if calls:
+                        msg["tool_calls"] = calls
+                    finish = tool_finish(job, c, bool(calls))
+                ch = {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish}
             if job.req.return_token_ids:
                 ch["token_ids"] = c.token_ids
                 ch["prompt_token_ids"] = c.prompt_ids
             choices.append(ch)
         return {"id": job.id, "object": "text_completion" if job.kind == "completions" else "chat.completion",
                 "created": job.created, "model": cfg.served_model_name, "choices": choices, "usage": usage(job)}
+
+    def tool_finish(job: _Job, c: _Choice, called: bool) -> str | None:
+        """OpenAI's finish_reason for a reply read for tool calls: "tool_calls" where it called one
+        and ended of itself (auto, required); a forced named function ends with "stop"."""
+        return "tool_calls" if called and c.finish_reason == "stop" and job.tools.choice != "named" \
+            else c.finish_reason
 
     def usage(job: _Job) -> dict:
         prompt = sum(len(ids) for _, ids in job.prompts)
@@ -692,7 +715,15 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                     yield chunk([{"index": c.index, "text": echoed, "finish_reason": None,
                                   "logprobs": prompt_logprobs(c.prompt_ids, c.prompt_logprobs, token_text)}])
                     c.offsets = OffsetCounter(len(echoed))
-                if out.new_text or out.finished or (new_ids and (req.return_token_ids or job.logprobs is not None)):
+                if job.calls_tools:  # content deltas until a call opens, then tool-call deltas
+                    if c.tool_stream is None:
+                        c.tool_stream = tool_calls.ToolStream(job.tools.names)
+                    for d in c.tool_stream.feed(out.new_text, final=out.finished):
+                        yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                    if out.finished:
+                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": tool_finish(job, c, bool(c.tool_stream.calls))}])
+                elif out.new_text or out.finished or (new_ids and (req.return_token_ids or job.logprobs is not None)):
                     yield chunk([choice(c, out.new_text, new_ids, new_lps, final=out.finished)])
             if include_usage:
                 yield chunk([], usage(job))

@@ -35,7 +35,7 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> API
 # OpenAI parameters that exist but are not implemented here: refused unless null
 UNSUPPORTED = {
     "completions": {"best_of", "logit_bias", "suffix"},
-    "chat": {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "chat": {"functions", "function_call",
              "logit_bias", "audio", "modalities", "prediction", "reasoning_effort", "service_tier", "store",
              "metadata", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier"},
 }
@@ -98,9 +98,14 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    """A chat message; an assistant's may carry the tool calls it made, a tool's answers one
+    (`tool_call_id`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -117,6 +122,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _FIELD_HINTS = {
@@ -235,14 +243,20 @@ def structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutp
         raise bad_request(field, msg if msg.startswith(field) else f"{field}: {msg}") from None
 
 
+_FROM_REQUEST = object()
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, seed: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    constraint=_FROM_REQUEST) -> SamplingParams:
     """SamplingParams for one choice. Raises APIError(400) naming the field (in the request's
-    own words: `top_logprobs` for chat, `max_completion_tokens` if that was given)."""
+    own words: `top_logprobs` for chat, `max_completion_tokens` if that was given). `constraint`:
+    the output constraint (a tool plan's), else the request's own (`structured`)."""
     if max_tokens == 0 and isinstance(req, ChatCompletionRequest):
         field = "max_completion_tokens" if req.max_tokens is None else "max_tokens"
         raise bad_request(field, f"{field}: must be >= 1 (a reply of no tokens is not a reply)")
-    constraint = structured(req)
+    if constraint is _FROM_REQUEST:
+        constraint = structured(req)
     try:
         return SamplingParams(prompt_logprobs=prompt_logprobs, structured=constraint,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,

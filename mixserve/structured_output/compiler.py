@@ -13,6 +13,7 @@ caller. The engine compiles in `check_request`, which the server calls off the e
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -131,6 +132,28 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return m
+
+    def trigger_token(self, spec: StructuredOutputs) -> int | None:
+        """The token id of spec.after (None where the constraint starts at once). Raises ValueError
+        naming spec.source where that text is not exactly one token of this vocabulary."""
+        if spec.after is None:
+            return None
+        ids = self.view().tokenize_str(spec.after)
+        if len(ids) != 1:
+            raise ValueError(f"{spec.source}: {spec.after!r} is {len(ids)} tokens of this model's vocabulary; "
+                             f"a constraint can start only after one token")
+        return ids[0]
+
+    def lark_literal(self, text: str) -> str:
+        """`text` as a Lark term that matches it in this vocabulary: the token itself (`<[id]>`) where
+        it is one special token (llguidance matches a string literal against bytes; its mask lets a
+        literal "<tool_call>" through as Qwen's special token of that text, and consuming that token
+        then fails: llguidance 1.9.1), else a string literal."""
+        view = self.view()
+        ids = view.tokenize_str(text)
+        if len(ids) == 1 and view.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text, ensure_ascii=False)
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one sequence (its own state), at the grammar's start."""

@@ -27,6 +27,9 @@ class StructuredOutputs:
         choice: the output is exactly one of these strings.
         grammar: a context-free grammar: Lark as llguidance reads it, or llama.cpp's GBNF (told
             apart and converted by llguidance's any_to_lark).
+        after: where the constraint starts: at the first time the output holds this text, which
+            must be one token of the model's vocabulary (a tool call's opening tag, `<tool_call>`);
+            the output before it is free. None: from the first output token.
         source: the request field it came from, named in error messages (`response_format`,
             `structured_outputs.json`, ...); not part of its identity.
 
@@ -40,6 +43,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    after: str | None = None
     source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class StructuredOutputs:
                 raise ValueError(f"{self.source}: {name} must be a non-empty string")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"{self.source}: choice must be a non-empty list of non-empty strings")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise ValueError(f"{self.source}: after must be a non-empty string")
 
     @property
     def kind(self) -> str:
