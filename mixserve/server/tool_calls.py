@@ -169,10 +169,11 @@ def split_calls(text: str, names=()) -> tuple[str | None, list[dict]]:
     `tool_calls`: id, type "function", function {name, arguments as a JSON string}). A `<tool_call>`
     block that is not a JSON object with a string name (the model wrote one freely and it broke, or
     it ended at max_tokens) stays in the text. Without tagged calls, a reply that is only calls of
-    the tools `names` written bare (`bare_calls`) is read as those calls."""
+    the tools `names` written bare (`bare_calls`) is read as those calls. The text is each stretch
+    between calls stripped of the whitespace at its ends (the newlines around the tags), joined.""" 
     if OPEN not in text:
         bare = bare_calls(text, names) if names else None
-        return (None, bare) if bare else (text, [])
+        return (None, bare) if bare else (text.strip() or None, [])
     calls, kept, pos = [], [], 0
     for m in _CALL.finditer(text):
         call = _parse(m.group(1))
@@ -182,8 +183,8 @@ def split_calls(text: str, names=()) -> tuple[str | None, list[dict]]:
         pos = m.end()
         calls.append(call)
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    # each stretch of text between calls without its whitespace ends (what ToolStream sends)
+    return "".join(k.strip() for k in kept) or None, calls
 
 
 def _parse(body: str) -> dict | None:
@@ -210,6 +211,26 @@ class ToolStream:
         self.content = ""
         self.names = tuple(names)
         self.held = None  # a reply that may be bare calls (bare_calls): all of it, held to its end
+        self.seg_start = True  # at the reply's start or after a call: leading whitespace is dropped
+        self.pending_ws = ""  # whitespace sent only if more text of the same stretch follows
+
+    def _text(self, piece: str, out: list[dict]) -> None:
+        """Send `piece` of the text between calls, less the whitespace at the stretch's ends."""
+        if self.seg_start:
+            piece = piece.lstrip()
+            if not piece:
+                return
+            self.seg_start = False
+        body = piece.rstrip()
+        if body:
+            out.append({"content": self.pending_ws + body})
+            self.content += self.pending_ws + body
+            self.pending_ws = ""
+        self.pending_ws += piece[len(body):]
+
+    def _call(self, call: dict) -> list[dict]:
+        self.pending_ws, self.seg_start = "", True
+        return self._call_deltas(call)
 
     def _call_deltas(self, call: dict) -> list[dict]:
         f = call["function"]
@@ -233,7 +254,7 @@ class ToolStream:
             if OPEN not in held:
                 bare = bare_calls(held, self.names)
                 if bare:
-                    return [d for call in bare for d in self._call_deltas(call)]
+                    return [d for call in bare for d in self._call(call)]
             text = held
         self.buf += text
         out = []
@@ -242,27 +263,22 @@ class ToolStream:
             if i < 0:
                 keep = 0 if final else _partial_suffix(self.buf, OPEN)
                 piece, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                if piece:
-                    out.append({"content": piece})
-                    self.content += piece
+                self._text(piece, out)
                 return out
             if i:
-                out.append({"content": self.buf[:i]})
-                self.content += self.buf[:i]
+                self._text(self.buf[:i], out)
                 self.buf = self.buf[i:]
             m = _CALL.match(self.buf)
             if m is None:
                 if final:  # an unclosed call: it stays text
-                    out.append({"content": self.buf})
-                    self.content += self.buf
+                    self._text(self.buf, out)
                     self.buf = ""
                 return out
             call = _parse(m.group(1))
             if call is None:  # a broken call stays text
-                out.append({"content": self.buf[:m.end()]})
-                self.content += self.buf[:m.end()]
+                self._text(self.buf[:m.end()], out)
             else:
-                out += self._call_deltas(call)
+                out += self._call(call)
             self.buf = self.buf[m.end():]
 
 

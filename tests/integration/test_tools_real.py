@@ -1,0 +1,110 @@
+"""Tool calling through the official `openai` client on the 0.5B (issue 33)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from mixserve.engine.args import EngineArgs
+from mixserve.engine.llm_engine import LLMEngine
+from mixserve.server.api import ServerConfig
+from tests.live_server import LiveServer
+
+pytestmark = pytest.mark.integration
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                   "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
+ADD_PARAMS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_PARAMS}}]
+PARAMS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(qwen05_path):
+    srv = LiveServer(LLMEngine(EngineArgs(model=qwen05_path, progress=False)), ServerConfig("q"))
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300), srv
+    srv.stop()
+
+
+def create(cl, **kw):
+    return cl.chat.completions.create(model="q", **{"messages": ASK, "temperature": 0, "max_tokens": 120, **kw})
+
+
+def valid_calls(msg) -> list:
+    for tc in msg.tool_calls or []:
+        assert tc.type == "function" and tc.id.startswith("call_")
+        jsonschema.validate(json.loads(tc.function.arguments), PARAMS[tc.function.name])
+    return msg.tool_calls or []
+
+
+def test_required_and_named_calls_validate(client):
+    cl, srv = client
+    r = create(cl, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    calls = valid_calls(r.choices[0].message)
+    assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
+    r = create(cl, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+    calls = valid_calls(r.choices[0].message)
+    assert [c.function.name for c in calls] == ["add"] and r.choices[0].finish_reason == "stop"  # as OpenAI's
+    r = create(cl, tools=TOOLS, tool_choice="required", temperature=1, seed=3, n=3, max_tokens=200)
+    for c in r.choices:
+        assert valid_calls(c.message), c
+
+
+def test_auto_calls_when_a_tool_answers_and_talks_when_none_does(client):
+    cl, _ = client
+    r = create(cl, tools=TOOLS, tool_choice="auto")
+    calls = valid_calls(r.choices[0].message)
+    assert [c.function.name for c in calls] == ["get_weather"] and r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(calls[0].function.arguments)["city"] == "Paris"
+    r = create(cl, tools=TOOLS, messages=[{"role": "user", "content": "Write a haiku about the sea."}])
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content
+    r = create(cl, tools=TOOLS, tool_choice="none")
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_tool_call_deltas_join_to_the_result(client):
+    cl, _ = client
+    for kw in (dict(tool_choice="required"), dict(tool_choice="auto"), dict(tool_choice="required", temperature=1,
+                                                                          seed=5)):
+        whole = create(cl, tools=TOOLS, **kw).choices[0]
+        calls, content, finish = {}, "", None
+        for ch in create(cl, tools=TOOLS, stream=True, **kw):
+            if not ch.choices:
+                continue
+            d = ch.choices[0].delta
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                if tc.id:
+                    assert c["id"] is None and not c["arguments"]  # the id and name come first
+                    c["id"] = tc.id
+                c["name"] += (tc.function.name or "") if tc.function else ""
+                c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            finish = ch.choices[0].finish_reason or finish
+        want = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls or []]
+        assert [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())] == want, kw
+        assert (content or None) == whole.message.content and finish == whole.finish_reason
+
+
+def test_a_second_turn_sends_the_result_back_and_is_answered(client):
+    cl, srv = client
+    r = create(cl, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    call = r.choices[0].message.tool_calls[0]
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]
+    r = create(cl, tools=TOOLS, messages=msgs, tool_choice="none")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
+    assert r.usage.prompt_tokens > create(cl, tools=TOOLS, tool_choice="none", max_tokens=1).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        create(cl, tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:
+        create(cl, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+    assert srv.wait_idle(30) and srv.engine.block_manager.num_used_blocks == 0
