@@ -11,6 +11,7 @@ from mixserve.bench.metrics import RequestMetrics, build_report
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage
 from mixserve.sampling_params import SamplingParams
+from mixserve.structured_output.spec import from_response_format
 
 
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: float = 0.0,
@@ -37,8 +38,10 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     finished (data/prefix.conversation_links, the rule the planner simulates); None: all at once.
     """
     def params(i: int, r: BenchRequest) -> SamplingParams:
+        # a trace line's response_format: constrained (it ends where its grammar does, ignore_eos or not)
+        structured = from_response_format(r.response_format) if r.response_format is not None else None
         return SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
-                              seed=None if seed is None else seed + i)
+                              seed=None if seed is None else seed + i, structured=structured)
 
     # a conversation's turns go in one at a time (closed loop): the next when the last has finished
     turns: dict[str, list[int]] = {}

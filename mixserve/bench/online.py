@@ -110,6 +110,8 @@ async def run_online_async(url: str, model: str, requests: list[BenchRequest], r
             await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
             body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": temperature,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            if r.response_format is not None:  # a trace line's constraint, as the server reads it
+                body["response_format"] = r.response_format
             if sem is None:
                 return await _send(client, endpoint, body, headers)
             async with sem:

@@ -78,6 +78,9 @@ class BenchRequest:
         own replies to them, and turn t is sent when turn t - 1 has finished.
     block_hashes, block_size: a recorded request's chained block hashes
         (server/mix_record.py): which of its blocks repeat others', no text.
+    response_format: OpenAI's response_format (a trace line's): the request's
+        output is constrained (structured_output), so a mix can be measured with
+        its constrained share; None for free text.
     """
 
     prompt: str
@@ -94,6 +97,7 @@ class BenchRequest:
     system: str | None = None
     block_hashes: list[str] | None = None
     block_size: int | None = None
+    response_format: dict | None = None
 
 
 # --------------------------------------------------------------------------
@@ -589,6 +593,8 @@ def load_jsonl(
       as ``ref_output_len``). Lines with neither get ``default_max_tokens``.
     - ``arrival_s``: optional, seconds (>= 0) from the start of the trace.
     - ``tag``: optional slice name (default "jsonl").
+    - ``response_format``: optional, OpenAI's (``{"type": "json_schema", ...}``): the
+      request's output is constrained (checked here: a bad one is an error naming the line).
     - prefix structure, optional (BenchRequest, data/prefix.py): ``prefix_group``
       and ``prefix_tokens``; ``conversation``, ``turn`` (and ``system``) for a
       closed-loop multi-turn conversation; ``block_hashes`` and ``block_size``
@@ -655,6 +661,14 @@ def load_jsonl(
                 arrival = float(arrival)
             br = BenchRequest(prompt, max_tokens, plen, tag, ref, arrival, synthetic=obj.get("prompt_tokens") is not None)
             _prefix_fields(br, obj, where, tokenizer, lineno)
+            if obj.get("response_format") is not None:
+                from mixserve.structured_output.spec import from_response_format
+
+                try:
+                    from_response_format(obj["response_format"])
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                br.response_format = obj["response_format"]
             if br.conversation is not None:
                 want = turns.get(br.conversation, 0) + 1
                 if br.turn != want:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mixserve.sampling_params import SamplingParams
 from mixserve.structured_output import StructuredOutputs
+from mixserve.structured_output.spec import from_response_format
 
 
 class APIError(Exception):
@@ -193,35 +194,7 @@ def structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutp
     field = given[0]
     try:
         if field == "response_format":
-            rf = req.response_format
-            kind = rf.get("type")
-            extra = set(rf) - {"type", "json_schema"}
-            if extra:
-                raise bad_request("response_format", f"response_format.{sorted(extra)[0]}: unknown field")
-            if kind == "text":
-                return None
-            if kind == "json_object":
-                return StructuredOutputs(json_object=True, source="response_format")
-            if kind != "json_schema":
-                raise bad_request("response_format", f"response_format.type: must be text, json_object or "
-                                                     f"json_schema (got {kind!r})")
-            js = rf.get("json_schema")
-            if not isinstance(js, dict):
-                raise bad_request("response_format", "response_format.json_schema: is required with type json_schema "
-                                                     "and must be an object")
-            unknown = set(js) - {"name", "schema", "strict", "description"}
-            if unknown:
-                raise bad_request("response_format", f"response_format.json_schema.{sorted(unknown)[0]}: unknown field")
-            if not isinstance(js.get("name"), str) or not js["name"]:
-                raise bad_request("response_format", "response_format.json_schema.name: is required (a string)")
-            if js.get("strict") is not None and not isinstance(js["strict"], bool):
-                raise bad_request("response_format", "response_format.json_schema.strict: must be true or false")
-            schema = js.get("schema")
-            if schema is None:  # a name alone: any JSON object (OpenAI's schema is optional)
-                return StructuredOutputs(json_object=True, source="response_format")
-            if not isinstance(schema, dict):
-                raise bad_request("response_format", "response_format.json_schema.schema: must be an object")
-            return StructuredOutputs(json=schema, source="response_format")
+            return from_response_format(req.response_format)
         if field == "structured_outputs":
             so = req.structured_outputs
             keys = [k for k, v in so.items() if v is not None and v is not False]

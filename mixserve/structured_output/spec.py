@@ -112,3 +112,39 @@ class StructuredOutputs:
             return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
         except Exception as e:  # noqa: BLE001 -- llguidance's own error text, as a 400
             raise ValueError(f"{self.source}: {e}") from None
+
+
+def from_response_format(rf) -> StructuredOutputs | None:
+    """OpenAI's `response_format` as a constraint: {"type": "text"} -> None, {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}} (a name
+    without a schema: any JSON object; `strict: false` gets the same grammar, as vLLM does).
+    Raises ValueError naming the field ("response_format.type: ..."): not an object, an unknown
+    type or field, a json_schema without its name, a schema that is not an object."""
+    if not isinstance(rf, dict):
+        raise ValueError("response_format: must be an object")
+    kind = rf.get("type")
+    extra = set(rf) - {"type", "json_schema"}
+    if extra:
+        raise ValueError(f"response_format.{sorted(extra)[0]}: unknown field")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True, source="response_format")
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: must be text, json_object or json_schema (got {kind!r})")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise ValueError("response_format.json_schema: is required with type json_schema and must be an object")
+    unknown = set(js) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise ValueError(f"response_format.json_schema.{sorted(unknown)[0]}: unknown field")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise ValueError("response_format.json_schema.name: is required (a string)")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise ValueError("response_format.json_schema.strict: must be true or false")
+    schema = js.get("schema")
+    if schema is None:  # a name alone: any JSON object (OpenAI's schema is optional)
+        return StructuredOutputs(json_object=True, source="response_format")
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema: must be an object")
+    return StructuredOutputs(json=schema, source="response_format")

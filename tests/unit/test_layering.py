@@ -27,13 +27,13 @@ FORBIDDEN["quant"] += ("engine",)
 # modules env, device, startup, sampling_params, sequence, open to all; llm is mixserve/llm.py)
 OPEN = {"env", "device", "startup", "sampling_params", "sequence", ""}
 ALLOWED = {
-    "env": set(), "layers": set(), "kv": set(), "data": {"kv"}, "structured_output": set(),
+    "env": set(), "layers": set(), "kv": set(), "data": {"kv", "structured_output"}, "structured_output": set(),
     "quant": {"layers", "models", "data"},
     "models": {"layers", "quant"},
     "spec_decode": {"engine", "kv"},
     "engine": {"kv", "layers", "models", "spec_decode", "structured_output"},
     "llm": {"engine"},
-    "bench": {"engine", "kv", "models", "data"},
+    "bench": {"engine", "kv", "models", "data", "structured_output"},
     "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data", "replicas"},
     "server": {"engine", "kv", "structured_output"},
     "replicas": {"engine", "kv", "server", "models"},

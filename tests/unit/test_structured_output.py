@@ -185,3 +185,23 @@ def test_mask_application_matches_the_bitmask_bit_for_bit():
             else:
                 assert out[r, t] == float("-inf")
     assert masks.apply(logits, [], mask) is logits
+
+
+def test_a_trace_line_may_carry_response_format_and_bench_runs_it_constrained(llm, tmp_path):
+    from mixserve.bench.offline import run_offline
+    from mixserve.data.datasets import load_jsonl
+
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "array", "items": {"type": "integer"},
+                                                                       "maxItems": 3}}}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "Numbers:", "max_tokens": 60, "response_format": rf}) + "\n"
+                    + json.dumps({"prompt": "Text:", "max_tokens": 20}) + "\n")
+    reqs = load_jsonl(path)
+    assert reqs[0].response_format == rf and reqs[1].response_format is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "response_format": {"type": "xml"}}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: response_format.type"):
+        load_jsonl(bad)
+    report, outs = run_offline(llm.engine, reqs, progress=False)
+    assert outs[0].finish_reason == "stop" and len(json.loads(outs[0].text)) <= 3  # ended by its grammar
+    assert len(outs[1].token_ids) == 20  # ignore_eos: the free one runs its budget
