@@ -205,3 +205,34 @@ def test_a_trace_line_may_carry_response_format_and_bench_runs_it_constrained(ll
     report, outs = run_offline(llm.engine, reqs, progress=False)
     assert outs[0].finish_reason == "stop" and len(json.loads(outs[0].text)) <= 3  # ended by its grammar
     assert len(outs[1].token_ids) == 20  # ignore_eos: the free one runs its budget
+
+
+def test_sampled_constrained_distribution_is_the_same_with_a_draft_model(tiny, tmp_path):
+    """Temperature 1 under a regex, with a mismatched draft model (another random model of the same
+    vocabulary, its drafts masked by the grammar too) and without: the texts come from the same
+    distribution (total variation over the 8 possible texts)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
+    draft = tmp_path / "draft"
+    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(draft)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny}/{f}", draft / f)
+    n = 1000
+    spec = StructuredOutputs(regex="[ab][ab][ab]")
+    plain = LLM(tiny, dtype="float32", kv_cache_memory="32MiB", progress=False)
+    a = [o.text for o in plain.generate(["Go:"] * n, [SamplingParams(temperature=1.0, max_tokens=8, seed=i,
+                                                                     structured=spec) for i in range(n)])]
+    sd = LLM(tiny, dtype="float32", kv_cache_memory="32MiB", draft_model=str(draft), num_speculative_tokens=2,
+             speculation="fixed", progress=False)
+    outs = sd.generate(["Go:"] * n, [SamplingParams(temperature=1.0, max_tokens=8, seed=10_000 + i, structured=spec)
+                                    for i in range(n)])
+    b = [o.text for o in outs]
+    assert sum(o.metrics["spec_proposed"] for o in outs) > 0
+    assert all(re.fullmatch("[ab]{3}", t) for t in a + b)
+    keys = sorted(set(a) | set(b))
+    tv = 0.5 * sum(abs(a.count(k) - b.count(k)) / n for k in keys)
+    assert tv < 0.08, (tv, {k: (a.count(k), b.count(k)) for k in keys})
