@@ -216,6 +216,7 @@ class LLMEngine:
         # structured output: seconds spent filling grammar masks, and the rows they masked
         self.grammar_mask_s = 0.0
         self.grammar_mask_rows = 0
+        self._mask_pool = None  # the thread that fills a step's masks beside its forward
         self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling
         self.step_request_ids: list[str] | None = None  # requests the current/last step scheduled
         self._ids = itertools.count()
@@ -555,12 +556,13 @@ class LLMEngine:
         items = [self._item(s, s.seq.token_ids, s.end, int(s.samples)) for s in sched.scheduled]
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         t0 = time.perf_counter()
+        masking = self._masks_beside_forward(items, by_id)
         logits, rows = self.runner.run(items, sched.copies)
         logits, rows, outputs = self._drop_poisoned(logits, rows, by_id)
         sampled = None
         if rows:
             seqs = [by_id[it.seq_id] for it in rows]
-            sampled = self.sampler(logits, self._sampling_metadata(seqs))
+            sampled = self.sampler(logits, self._sampling_metadata(seqs, ready=masking))
         # only now: if sampling raised, the step can be rerun with nothing half-applied
         for s in sched.scheduled:
             s.seq.num_computed_tokens = s.end
@@ -668,9 +670,37 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None) -> SamplingMetadata:
+    def _masks_beside_forward(self, items, by_id):
+        """Structured output: the grammar masks of this step's sampling rows, started now on a worker
+        thread (llguidance fills them without the GIL) so that they are computed while the forward
+        runs; a future of {seq_id: int32 mask row}, or None where no row is constrained. The
+        matchers do not move before sampling, so the masks are the step's."""
+        rows = [by_id[it.seq_id] for it in items if it.num_logits == 1 and by_id[it.seq_id].matcher is not None]
+        if not rows:
+            return None
+        from mixserve.structured_output import masks as grammar_masks
+
+        if self._mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixserve-masks")
+        executor, vocab = self.grammars.executor, self.cfg.vocab_size
+
+        def fill():
+            t0 = time.perf_counter()
+            mask = grammar_masks.fill(executor, [(k, s.matcher, []) for k, s in enumerate(rows)], len(rows), vocab)
+            self.grammar_mask_s += time.perf_counter() - t0
+            self.grammar_mask_rows += len(rows)
+            return {s.seq_id: mask[k] for k, s in enumerate(rows)}
+
+        return self._mask_pool.submit(fill)
+
+    def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None,
+                           ready=None) -> SamplingMetadata:
         """Per-row sampling inputs; `extra[i]` are proposed tokens that count as output of row i
-        (row i samples the token at position len(token_ids) + len(extra[i]), whose generator it gets)."""
+        (row i samples the token at position len(token_ids) + len(extra[i]), whose generator it gets).
+        `ready`: a future of the rows' grammar masks by seq_id (_masks_beside_forward), used for the
+        rows it holds (no extra tokens) instead of filling them now."""
         eos = self.cfg.eos_token_ids
         extra = extra or [[] for _ in seqs]
         masks = []
@@ -688,10 +718,16 @@ class LLMEngine:
         if constrained:
             from mixserve.structured_output import masks as grammar_masks
 
+            done = ready.result() if ready is not None else {}
+            left = [(i, m, e) for i, m, e in constrained if e or seqs[i].seq_id not in done]
             t0 = time.perf_counter()
-            token_mask = grammar_masks.fill(self.grammars.executor, constrained, len(seqs), self.cfg.vocab_size)
-            self.grammar_mask_s += time.perf_counter() - t0
-            self.grammar_mask_rows += len(constrained)
+            token_mask = grammar_masks.fill(self.grammars.executor, left, len(seqs), self.cfg.vocab_size)
+            if left:
+                self.grammar_mask_s += time.perf_counter() - t0
+                self.grammar_mask_rows += len(left)
+            for i, _, e in constrained:
+                if not e and seqs[i].seq_id in done:
+                    token_mask[i] = done[seqs[i].seq_id]
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],

@@ -326,6 +326,47 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
             "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
 
 
+def probe_masks(model: str, vocab_size: int, eos_ids: list[int], steps: int = 16, log=print) -> dict:
+    """Structured output's cost per step: seconds to fill and apply the grammar masks of 1 and of 24
+    constrained rows (the 24 JSON schemas of data/schemas.py, each matcher moved on by a random
+    allowed token between steps, so the states vary), the median over `steps` steps, and the fit
+    t = a + b * rows through the two (StepModel.mask_time). Raises ValueError where the model
+    has no tokenizer."""
+    import random
+    import statistics
+
+    from mixserve.data.schemas import SCHEMAS
+    from mixserve.models.weights import load_tokenizer
+    from mixserve.structured_output import StructuredOutputs, masks
+    from mixserve.structured_output.compiler import GrammarCompiler
+
+    tok = load_tokenizer(model)
+    gc = GrammarCompiler(lambda: tok, vocab_size, eos_ids)
+    rng = random.Random(0)
+    logits = torch.zeros(len(SCHEMAS), vocab_size)
+    points = {}
+    for n in (1, len(SCHEMAS)):
+        ms = [gc.matcher(StructuredOutputs(json=s)) for _, s in SCHEMAS[:n]]
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            mask = masks.fill(gc.executor, [(k, m, []) for k, m in enumerate(ms)], n, vocab_size)
+            masks.apply(logits[:n], list(range(n)), mask)
+            times.append(time.perf_counter() - t0)
+            ok = masks.allowed(mask, vocab_size)
+            for k, m in enumerate(ms):
+                ids = [i for i in ok[k].nonzero().flatten().tolist() if i not in eos_ids]
+                if ids and not m.is_stopped():
+                    m.consume_token(rng.choice(ids))
+        points[n] = statistics.median(times)
+    n = len(SCHEMAS)
+    b = max(0.0, (points[n] - points[1]) / (n - 1))
+    a = max(0.0, points[1] - b)
+    log(f"  grammar masks: {1e3 * points[1]:.2f} ms for 1 constrained row, {1e3 * points[n]:.2f} ms for {n}")
+    return {"seconds": {str(k): v for k, v in points.items()}, "fit": [a, b], "terms": ["1", "rows"],
+            "source": f"{n} JSON schemas (data/schemas.py), random allowed tokens, median of {steps} steps"}
+
+
 def probe_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, device="cpu") -> float:
     """Bytes per second of a large tensor copy on `device`, counting the read and the write."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
@@ -522,6 +563,10 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     else:
         prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],
                             "note": "not measured (--no-engine-steps)"}
+    try:
+        prof["structured"] = probe_masks(model, cfg.vocab_size, list(cfg.eos_token_ids), log=log)
+    except ValueError as e:  # no tokenizer: no constrained requests to plan for
+        prof["structured"] = {"fit": [0.0, 0.0], "terms": ["1", "rows"], "note": f"not measured: {e}"}
     if gpu:
         prof["datasheet"] = gpu_datasheet_ratio(where, bw, prof["linear"].get("bf16", {}))
         d = prof["datasheet"]

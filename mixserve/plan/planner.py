@@ -363,7 +363,8 @@ def sim_requests(reqs, tokenizer, conversations_at_once: int | None = None) -> l
     for br, it in zip(reqs, stand_ins(reqs, tokenizer, conversations_at_once)):
         arrival = getattr(br, "arrival_s", None)
         out.append(SimRequest(it.prompt_tokens, br.max_tokens, float(arrival or 0.0), br.tag,
-                              token_ids=it.token_ids, after=it.after))
+                              token_ids=it.token_ids, after=it.after,
+                              constrained=getattr(br, "response_format", None) is not None))
     return out
 
 

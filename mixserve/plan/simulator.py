@@ -46,6 +46,8 @@ class SimRequest:
     # closed loop (a conversation's next turn): the index of the request this one follows; it
     # arrives when that one finishes (arrival_s is then ignored)
     after: int | None = None
+    # structured output: its rows are masked by a grammar each step (StepBatch.masked_rows)
+    constrained: bool = False
 
 
 @dataclass
@@ -311,6 +313,7 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
         seq = Sequence(str(i), None, ids[:r.prompt_tokens], SamplingParams(max_tokens=r.output_tokens,
                                                                            ignore_eos=True))
         outputs[seq.seq_id] = ids[r.prompt_tokens:]
+        seq.constrained = r.constrained  # read by _step_batch: its rows pay the grammar masks
         seq.arrival_time = t
         seqs[seq.seq_id] = (i, seq, rep)
         rep.reserve[seq.seq_id] = (cfg.max_model_len if cfg.reserve == "max-model-len"
@@ -423,7 +426,8 @@ def simulate(requests: list[SimRequest], cfg: SimConfig, step_time: Callable[[St
 
 def _step_batch(scheduled, with_lookahead: bool) -> StepBatch:
     """The StepBatch of a step's scheduled sequences, with their speculative rows or (False) as the
-    plain step that would run without them."""
+    plain step that would run without them. A constrained request's sequence is marked by its
+    `constrained` attribute (simulate sets it)."""
     b = StepBatch()
     for s in scheduled:
         extra = s.lookahead if with_lookahead else 0
@@ -434,6 +438,8 @@ def _step_batch(scheduled, with_lookahead: bool) -> StepBatch:
             b.spans.append((q, s.end + extra))
         if s.samples:
             b.sampled_rows += 1 + extra
+            if getattr(s.seq, "constrained", False):
+                b.masked_rows += 1 + extra
     return b
 
 

@@ -31,11 +31,14 @@ class StepBatch:
         (query tokens, context tokens at its end).
     sampled_rows: rows that go through the LM head (1 per sampling sequence, k + 1 per
         verification row).
+    masked_rows: of those, the rows of constrained requests (structured output), whose grammar
+        masks are filled and applied in the step.
     """
 
     decode_contexts: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)
     sampled_rows: int = 0
+    masked_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +138,13 @@ class StepModel:
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.shapes = linear_shapes(cfg)
+        # structured output: a step's grammar masks take mask_fit[0] + mask_fit[1] * rows seconds
+        # for its constrained rows (hw probe measures it; 0 where a profile has none: a lower bound)
+        self.mask_fit = (0.0, 0.0)
+
+    def mask_time(self, rows: int) -> float:
+        """Seconds to fill and apply `rows` constrained rows' grammar masks in one step."""
+        return self.mask_fit[0] + self.mask_fit[1] * rows if rows > 0 else 0.0
 
     def linear_time(self, shape_name: str, rows: int, fmt: WeightFormat) -> float:
         raise NotImplementedError
@@ -166,14 +176,16 @@ class StepModel:
         attn = self.decode_attention_time(b.decode_contexts) if b.decode_contexts else 0.0
         attn += sum(self.span_attention_time(q, c) for q, c in b.spans)
         return (self.body_linear_time(b.num_tokens, fmt) + self.head_time(b.sampled_rows, fmt)
-                + self.cfg.num_layers * attn + self.overhead(b.num_seqs, b.num_tokens))
+                + self.cfg.num_layers * attn + self.overhead(b.num_seqs, b.num_tokens)
+                + self.mask_time(b.masked_rows))
 
     def breakdown(self, b: StepBatch, fmt: WeightFormat = BF16) -> dict:
-        """step_time's terms, seconds: linear, lm_head, attention, overhead."""
+        """step_time's terms, seconds: linear, lm_head, attention, overhead, grammar masks."""
         attn = self.decode_attention_time(b.decode_contexts) if b.decode_contexts else 0.0
         attn += sum(self.span_attention_time(q, c) for q, c in b.spans)
         return {"linear": self.body_linear_time(b.num_tokens, fmt), "lm_head": self.head_time(b.sampled_rows, fmt),
-                "attention": self.cfg.num_layers * attn, "overhead": self.overhead(b.num_seqs, b.num_tokens)}
+                "attention": self.cfg.num_layers * attn, "overhead": self.overhead(b.num_seqs, b.num_tokens),
+                "masks": self.mask_time(b.masked_rows)}
 
 
 def _span_score_elements(q: int, ctx: int) -> int:
@@ -205,7 +217,8 @@ class MeasuredModel(StepModel):
     decode: each call, as the model runner groups and pads the rows (decode_groups), from the
     profile's (rows, context) grid (Grid), or for older profiles t = a * calls + b * rows + c *
     padded slots; span t = a + b * q + c * (query-key pairs);
-    overhead t = a + b * seqs + c * tokens.
+    overhead t = a + b * seqs + c * tokens. Structured output: `structured.fit` (a, b): a step's
+    masks take a + b * rows seconds for its constrained rows (0 for a profile without it).
     block_size: KV block size in tokens (default: the profile's, else 16). Raises ValueError for a
     profile with missing, negative or non-finite timings.
     """
@@ -233,6 +246,10 @@ class MeasuredModel(StepModel):
                         ("overhead fit", self.ovh)):
             if len(f) != 3:
                 raise ValueError(f"{name}: needs 3 coefficients (got {len(f)})")
+        masks = profile.get("structured") or {}
+        self.mask_fit = tuple(_finite_nonneg(masks.get("fit", [0.0, 0.0]), "structured fit"))
+        if len(self.mask_fit) != 2:
+            raise ValueError(f"structured fit: needs 2 coefficients (got {len(self.mask_fit)})")
         # the engine's KV block size to plan for: decode groups are padded to whole blocks
         self.block_size = int(block_size or profile.get("block_size", 16))
         if self.block_size < 1:

@@ -34,7 +34,7 @@ ALLOWED = {
     "engine": {"kv", "layers", "models", "spec_decode", "structured_output"},
     "llm": {"engine"},
     "bench": {"engine", "kv", "models", "data", "structured_output"},
-    "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data", "replicas"},
+    "plan": {"engine", "kv", "layers", "models", "spec_decode", "bench", "data", "replicas", "structured_output"},
     "server": {"engine", "kv", "structured_output"},
     "replicas": {"engine", "kv", "server", "models"},
 }

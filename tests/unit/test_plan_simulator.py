@@ -135,3 +135,32 @@ def test_matches_the_real_engine(tmp_path, caching):
     assert (res.prefix_queries, res.prefix_hits, res.recompute_hits) == (
         bm.prefix_queries, bm.prefix_hits, bm.recompute_hits)
     assert (bm.recompute_hits > 0) == caching
+
+
+def test_constrained_requests_pay_their_masks_in_the_steps_they_sample():
+    """Structured output: a step's time grows by the masks of its constrained sampling rows (here
+    1 s a row on top of 1 s a step); the free requests' steps do not."""
+    seen = []
+
+    def step(b: StepBatch) -> float:
+        seen.append((b.sampled_rows, b.masked_rows))
+        return 1.0 + b.masked_rows
+
+    cfg = SimConfig(num_blocks=40, block_size=4)
+    free = simulate([SimRequest(4, 3), SimRequest(4, 3)], cfg, step)
+    assert all(m == 0 for _, m in seen)
+    seen.clear()
+    mixed = simulate([SimRequest(4, 3), SimRequest(4, 3, constrained=True)], cfg, step)
+    assert any(m == 1 for _, m in seen) and all(m <= s for s, m in seen)
+    assert mixed.report["duration_s"] > free.report["duration_s"]
+
+
+def test_mask_time_from_a_profile_fit():
+    from mixserve.plan.step_time import StepModel
+
+    class M(StepModel):
+        def __init__(self):
+            self.mask_fit = (0.001, 0.0002)
+
+    m = M()
+    assert m.mask_time(0) == 0.0 and m.mask_time(1) == pytest.approx(0.0012) and m.mask_time(10) == pytest.approx(0.003)

@@ -236,3 +236,12 @@ def test_sampled_constrained_distribution_is_the_same_with_a_draft_model(tiny, t
     keys = sorted(set(a) | set(b))
     tv = 0.5 * sum(abs(a.count(k) - b.count(k)) / n for k in keys)
     assert tv < 0.08, (tv, {k: (a.count(k), b.count(k)) for k in keys})
+
+
+def test_hw_probe_measures_what_masks_cost(smollm2_path):
+    from mixserve.plan.hardware import probe_masks
+
+    prof = probe_masks(smollm2_path, 49152, [2], steps=3, log=lambda *a: None)
+    a, b = prof["fit"]
+    assert a >= 0 and b >= 0 and a + b > 0
+    assert prof["seconds"]["1"] > 0 and prof["seconds"]["24"] >= prof["seconds"]["1"] * 0.5
