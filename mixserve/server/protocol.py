@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from mixserve.sampling_params import SamplingParams
 from mixserve.structured_output import StructuredOutputs
@@ -107,6 +107,14 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_where_they_belong(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries them")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message carries one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -52,8 +52,9 @@ def test_greedy_constrained_output_is_the_same_on_every_path(qwen05_path):
     the grammar too) and preemption (a cache of a few sequences) give the plain path's tokens:
     batch invariance (on by default) makes each path's logits the same bits."""
     base = LLM(qwen05_path, kv_cache_memory="256MiB", progress=False)
-    prompts = chat_prompts(base)
-    params = [SamplingParams(temperature=0, max_tokens=256, structured=StructuredOutputs(json=s)) for _, s in SCHEMAS]
+    prompts = chat_prompts(base)[::2]  # every other schema: the suite's time (issue 32)
+    params = [SamplingParams(temperature=0, max_tokens=256, structured=StructuredOutputs(json=s))
+              for _, s in SCHEMAS[::2]]
     plain = base.generate(prompts, params)
     check(plain, params)
     ref = [o.token_ids for o in plain]

@@ -72,7 +72,8 @@ def test_engine_check_request_and_counters(tiny_server):
     ("completions", {"model": "m", "prompt": "x", "bogus": 1}, "bogus"),
     ("completions", {"model": "m"}, "prompt"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages"),
-    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": "all"}, "tools"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages"),
     ("chat", [1, 2], None),
 ])
 def test_parse_request_names_the_field(kind, body, param):
