@@ -88,6 +88,8 @@ class Sequence:
     # ... or, for a constraint that starts after a token (params.structured.after), that token's id
     # until the output holds it: then the matcher is made and this is None
     grammar_trigger: int | None = None
+    # set by a step whose grammar mask (less the special tokens) allowed nothing: the request ends
+    grammar_stuck: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

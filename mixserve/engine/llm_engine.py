@@ -330,6 +330,9 @@ class LLMEngine:
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError(f"{params.structured.source}: this model has no tokenizer, so no grammar")
+            if params.stop or params.stop_token_ids:
+                raise ValueError("stop: a stop string or token would cut a constrained output short of its "
+                                 "grammar; give one or the other")
             self.grammars.compile(params.structured)  # cached: add_request copies it
             self.grammars.trigger_token(params.structured)
 
@@ -689,6 +692,8 @@ class LLMEngine:
         def fill():
             t0 = time.perf_counter()
             mask = grammar_masks.fill(executor, [(k, s.matcher, []) for k, s in enumerate(rows)], len(rows), vocab)
+            for k, s in enumerate(rows):
+                mask[k] &= self.grammars.row_mask(s.params.structured, s.matcher)
             self.grammar_mask_s += time.perf_counter() - t0
             self.grammar_mask_rows += len(rows)
             return {s.seq_id: mask[k] for k, s in enumerate(rows)}
@@ -722,12 +727,22 @@ class LLMEngine:
             left = [(i, m, e) for i, m, e in constrained if e or seqs[i].seq_id not in done]
             t0 = time.perf_counter()
             token_mask = grammar_masks.fill(self.grammars.executor, left, len(seqs), self.cfg.vocab_size)
+            for i, m, e in left:  # the special tokens its grammar does not name (GrammarCompiler.row_mask)
+                token_mask[i] &= (self.grammars.row_mask(seqs[i].params.structured, m) if not e
+                                  else self.grammars.keep_mask(seqs[i].params.structured))
             if left:
                 self.grammar_mask_s += time.perf_counter() - t0
                 self.grammar_mask_rows += len(left)
             for i, _, e in constrained:
                 if not e and seqs[i].seq_id in done:
                     token_mask[i] = done[seqs[i].seq_id]
+            for i, _, e in constrained:
+                if not e and not bool(token_mask[i].any()):
+                    # nothing left (its text needs a special token's text): the row takes an end
+                    # token and _append_token ends it with the reason, instead of sampling from nothing
+                    seqs[i].grammar_stuck = True
+                    eos = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
+                    token_mask[i, eos // 32] = 1 << (eos % 32) if eos % 32 != 31 else -2**31
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
@@ -753,11 +768,18 @@ class LLMEngine:
         # structured output: the matcher follows the output; a grammar that can go no further
         # ends the request below, after the token's text (ignore_eos or not)
         grammar_done = False
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(tok):  # a masked row sampled a forbidden token: a bug
-                log.error("request %s: token %d is not allowed by its grammar (%s); ended", seq.request_id, tok,
-                          seq.matcher.get_error())
-                reason = "error"
+        if seq.matcher is not None and seq.grammar_stuck:
+            reason, seq.stop_reason = "error", ("the grammar allows no token here: its text needs a special "
+                                                "token's text, which is not generated as text")
+        elif seq.matcher is not None:
+            if not seq.matcher.consume_token(tok):
+                # the grammar failed in a step (llguidance's limits: "Current row has N items"), or
+                # a masked row sampled a forbidden token: the request ends, with the reason
+                from mixserve.structured_output.spec import short_error
+
+                why = short_error(seq.matcher.get_error(), 300)
+                log.error("request %s: its grammar failed at token %d: %s", seq.request_id, tok, why)
+                reason, seq.stop_reason = "error", f"the grammar failed: {why}"
             grammar_done = seq.matcher.is_stopped()
         elif seq.grammar_trigger is not None and tok == seq.grammar_trigger:
             # the constraint starts after this token: the next step is masked

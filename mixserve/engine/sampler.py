@@ -92,7 +92,8 @@ class TokenLogprobs:
         logprob: its log-probability.
         rank: 1 + the number of tokens strictly more likely than it (1 = most likely; tied
             tokens share the better rank, as in vLLM).
-        top: the n most likely (token_id, logprob) pairs, descending; n = params.logprobs
+        top: the n most likely (token_id, logprob) pairs, descending; n = params.logprobs (fewer
+            where a grammar allows fewer: forbidden tokens, at -inf, are left out)
             (empty when n is 0).
     """
 
@@ -439,5 +440,7 @@ def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int
         if k and tied[j] > sum(v == top_v_list[j][k - 1] for _, v in top):
             top = _ties_by_id(lp[j], top_v_list[j][k - 1], top)
         top.sort(key=lambda t: (-t[1], t[0]))  # equal logprobs in id order, not topk's
+        # a constrained row's forbidden tokens (-inf) are no alternatives (nor valid JSON numbers)
+        top = [t for t in top if t[1] != float("-inf")]
         result[i] = TokenLogprobs(token_id=token_list[i], logprob=tok_lp_list[j], rank=int(ranks[j]), top=top)
     return result

@@ -35,7 +35,7 @@ from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, c
 from mixserve.server.metrics import ServerMetrics
 from mixserve.server import tool_calls
 from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_api_key,
-                                      field_error, parse_request, sampling_params)
+                                      field_error, parse_request, sampling_params, structured)
 
 log = logging.getLogger("mixserve.server")
 
@@ -336,6 +336,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         except RecursionError:
             raise bad_request(None, "the request body is nested too deeply") from None
         req = parse_request(kind, body)
+        # an output constraint compiles first, on a thread of its own (GrammarCompiler's), awaited
+        # here: a slow schema must not hold up the tokenizing thread that every request passes
+        await asyncio.get_running_loop().run_in_executor(None, compile_constraint, kind, req)
         # tokenization and templating off the event loop: a long prompt must not stall other streams
         job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req)
         job.salt = request_salt(req, key_name)
@@ -403,6 +406,23 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             await asyncio.wait_for(jobs_done.wait(), flush_s)
 
     app.state.drain = drain
+
+    def compile_constraint(kind: str, req) -> None:
+        """Compile the request's output constraint (response_format, structured_outputs, guided_*, or
+        its tools') into the engine's cache; prepare's check_request then finds it there. Raises
+        APIError(400) naming the field where it does not compile."""
+        if engine.grammars is None:
+            return
+        if kind == "chat" and req.tools is not None:
+            tools = tool_calls.plan(req, engine.grammars.lark_literal)
+            spec = tools.constraint if tools is not None else None
+        else:
+            spec = structured(req)
+        if spec is not None:
+            try:
+                engine.grammars.compile(spec)
+            except ValueError as e:
+                raise bad_request(*field_error(req, e)) from None
 
     def prepare(kind: str, req) -> _Job:
         """Check everything and build the job: one engine request per prompt and sample.

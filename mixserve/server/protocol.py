@@ -219,6 +219,8 @@ def structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutp
                 raise bad_request("structured_outputs", "structured_outputs.json_object: must be true")
             return StructuredOutputs(**{_STRUCTURED_KEYS[k]: value}, source=f"structured_outputs.{k}")
         return StructuredOutputs(**{field.removeprefix("guided_"): getattr(req, field)}, source=field)
+    except RecursionError:
+        raise bad_request(field, f"{field}: nested too deeply") from None
     except (TypeError, ValueError) as e:  # StructuredOutputs' own checks name their source
         msg = str(e)
         raise bad_request(field, msg if msg.startswith(field) else f"{field}: {msg}") from None

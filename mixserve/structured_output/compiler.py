@@ -15,19 +15,28 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from mixserve.structured_output.spec import StructuredOutputs
+import torch
+
+from mixserve.structured_output.spec import StructuredOutputs, short_error
 
 log = logging.getLogger("mixserve")
 
 # A grammar text this long is refused before llguidance reads it: schemas users send are KBs; the
 # server's body limit bounds it too, but the Python API has none
 MAX_GRAMMAR_BYTES = 1 << 20
+# The compile thread's stack: llguidance builds a grammar recursively, and a chain of 1,200 $refs or
+# 3,000 Lark rules (tens of KB of schema) overflowed a default 8 MB thread stack, killing the process
+# (found by trying it); at ~7 KB a level this holds any grammar of MAX_GRAMMAR_BYTES. Address space
+# only: the pages a compile does not touch are never committed.
+STACK_BYTES = 512 << 20
+_SPECIAL_REF = re.compile(r"<\[(\d+)\]>")
 
 
 def tokenizer_json(tokenizer) -> str:
@@ -72,7 +81,15 @@ class GrammarCompiler:
         self._view = None
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixserve-grammar")
+        self._keep: dict[str, torch.Tensor] = {}
+        self._special: list[tuple[int, str]] | None = None
+        old = threading.stack_size()
+        threading.stack_size(STACK_BYTES)
+        try:  # the pool's one thread is made now, with the large stack
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixserve-grammar")
+            self._pool.submit(lambda: None).result()
+        finally:
+            threading.stack_size(old)
         self.compile_times: list[float] = []  # seconds per compiled (not cached) constraint
 
     def view(self):
@@ -106,27 +123,31 @@ class GrammarCompiler:
                 message), the grammar text is over MAX_GRAMMAR_BYTES, or the compile takes longer
                 than timeout_s.
         """
-        key = spec.key()
+        try:
+            key = spec.key()
+        except RecursionError:
+            raise ValueError(f"{spec.source}: the schema is nested too deeply") from None
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        text = spec.grammar_text()
-        if len(text.encode()) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"{spec.source}: the grammar is {len(text.encode())} bytes; at most "
-                             f"{MAX_GRAMMAR_BYTES} are compiled")
         view = self.view()
         t0 = time.perf_counter()
-        fut = self._pool.submit(_build, view, text)
+        # the grammar text too is made on the large stack (llguidance reads the schema there)
+        fut = self._pool.submit(_build, view, spec)
         try:
             m, err = fut.result(timeout=self.timeout_s)
         except FutureTimeout:
             # the worker thread runs on to llguidance's own limits; the next compile waits for it
             raise ValueError(f"{spec.source}: the grammar took over {self.timeout_s:g} s to compile") from None
         if err:
-            raise ValueError(f"{spec.source}: {err}")
+            raise ValueError(err if err.startswith(spec.source) else f"{spec.source}: {short_error(err)}")
         self.compile_times.append(time.perf_counter() - t0)
+        first = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
+        if not bool((first[:len(self.keep_mask(spec))] & self.row_mask(spec, m)).any()):
+            raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
+                             f"an end token's), which is not generated as text")
         with self._lock:
             self._cache[key] = m
             while len(self._cache) > self.cache_size:
@@ -155,16 +176,71 @@ class GrammarCompiler:
             return f"<[{ids[0]}]>"
         return json.dumps(text, ensure_ascii=False)
 
+    def keep_mask(self, spec: StructuredOutputs) -> torch.Tensor:
+        """int32 [words]: the tokens a constrained row of `spec` may take, ANDed with its grammar's
+        mask: all but the special tokens (EOS excepted) that its grammar does not name as tokens
+        (`<[id]>`, or a special token's text written bare, outside quotes). llguidance 1.9.1's mask
+        lets a literal "<|im_end|>" through as the special token of that text, and then refuses to
+        consume it; such text is then spelled with ordinary tokens."""
+        key = spec.key()
+        with self._lock:
+            hit = self._keep.get(key)
+        if hit is not None:
+            return hit
+        view = self.view()
+        if self._special is None:
+            self._special = [(i, view.decode_str([i])) for i in range(self.vocab_size)
+                             if i < view.vocab_size and view.is_special_token(i) and i not in self.eos_ids]
+        text = spec.grammar or ""
+        named = {int(m) for m in _SPECIAL_REF.findall(text)}
+        if spec.after is not None:
+            named |= {self.trigger_token(spec)}
+        from mixserve.structured_output import masks
+
+        keep = torch.full((masks.words(self.vocab_size),), -1, dtype=torch.int32)
+        for i, t in self._special:
+            if i in named or (text and re.search(r"(?<![\"'\w])" + re.escape(t) + r"(?![\"'\w])", text)):
+                continue
+            keep[i // 32] &= ~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF
+        with self._lock:
+            self._keep[key] = keep
+        return keep
+
+    def row_mask(self, spec: StructuredOutputs, matcher) -> torch.Tensor:
+        """What to AND with a row's grammar mask: keep_mask(spec), less EOS where the matcher cannot
+        end yet (a literal of EOS's text, as "<|im_end|>", otherwise lets EOS through, and the matcher
+        then refuses it; llguidance 1.9.1)."""
+        keep = self.keep_mask(spec)
+        if matcher.is_accepting():
+            return keep
+        with self._lock:
+            no_eos = self._no_eos = getattr(self, "_no_eos", None)
+        if no_eos is None:
+            from mixserve.structured_output import masks
+
+            no_eos = torch.full((masks.words(self.vocab_size),), -1, dtype=torch.int32)
+            for i in self.eos_ids:
+                if 0 <= i < self.vocab_size:
+                    no_eos[i // 32] &= ~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF
+            self._no_eos = no_eos
+        return keep & no_eos
+
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one sequence (its own state), at the grammar's start."""
         return self.compile(spec).deep_copy()
 
 
-def _build(view, text: str):
+def _build(view, spec: StructuredOutputs):
     """(matcher, "") or (None, error message): a matcher at its start, its first mask computed, so
     that a grammar whose lexer fails on the first step is refused here rather than in a step."""
     from llguidance import LLMatcher
 
+    try:
+        text = spec.grammar_text()
+    except ValueError as e:
+        return None, str(e)
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        return None, f"the grammar is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are compiled"
     try:
         m = LLMatcher(view, text, log_level=0)
     except Exception as e:  # noqa: BLE001 -- llguidance's message is the reason given

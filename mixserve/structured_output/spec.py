@@ -49,7 +49,10 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        self.validate()
+        try:
+            self.validate()
+        except RecursionError:
+            raise ValueError(f"{self.source}: the schema is nested too deeply") from None
 
     def validate(self) -> None:
         """Raise ValueError naming `source` unless exactly one constraint of the right type is set."""
@@ -65,13 +68,17 @@ class StructuredOutputs:
                 parsed = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{self.source}: the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(parsed, (dict, bool)):
-                raise ValueError(f"{self.source}: a JSON schema must be an object (got {type(parsed).__name__})")
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{self.source}: a JSON schema must be an object (got {json.dumps(parsed)[:40]})")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{self.source}: {name} must be a non-empty string")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.regex is not None and (len(self.regex) - len(self.regex.rstrip("\\"))) % 2:
+            # llguidance drops a lone trailing backslash instead of refusing the regex
+            raise ValueError(f"{self.source}: the regex ends with a lone backslash")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"{self.source}: choice must be a non-empty list of non-empty strings")
         if self.after is not None and (not isinstance(self.after, str) or not self.after):
             raise ValueError(f"{self.source}: after must be a non-empty string")
@@ -82,7 +89,7 @@ class StructuredOutputs:
         return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None) \
             if not self.json_object else "json_object"
 
-    def key(self) -> str:
+    def key(self) -> str:  # noqa: D401
         """A canonical text of the constraint: equal constraints (a schema's keys in any order) give
         equal keys, so a compiled grammar is cached once per constraint."""
         value = {"json": lambda: json.loads(self.json) if isinstance(self.json, str) else self.json,
@@ -105,13 +112,17 @@ class StructuredOutputs:
             if kind == "regex":
                 return LLMatcher.grammar_from_regex(self.regex)
             if kind == "choice":
-                # Lark string literals, escaped as JSON strings are
-                alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
-                return LLMatcher.grammar_from_lark(f"start: {alts}\n")
+                # one regex lexeme (the lexer's automaton), not a rule of N alternatives: llguidance's
+                # parser refuses rows of over 2,000 items, and would only say so after the first token
+                alts = "|".join("".join(ch if ch.isascii() and ch.isalnum() else f"\\x{{{ord(ch):x}}}" for ch in c)
+                                for c in self.choice)
+                return LLMatcher.grammar_from_lark(f"start: /(?:{alts})/\n")
             # Lark as it is; GBNF (llama.cpp's, "name ::= ...") converted by llguidance
             return LLMatcher.grammar_from_lark(any_to_lark(self.grammar))
+        except RecursionError:
+            raise ValueError(f"{self.source}: the schema is nested too deeply") from None
         except Exception as e:  # noqa: BLE001 -- llguidance's own error text, as a 400
-            raise ValueError(f"{self.source}: {e}") from None
+            raise ValueError(f"{self.source}: {short_error(str(e))}") from None
 
 
 def from_response_format(rf) -> StructuredOutputs | None:
@@ -148,3 +159,13 @@ def from_response_format(rf) -> StructuredOutputs | None:
     if not isinstance(schema, dict):
         raise ValueError("response_format.json_schema.schema: must be an object")
     return StructuredOutputs(json=schema, source="response_format")
+
+
+def short_error(msg: str, limit: int = 600) -> str:
+    """llguidance's error text for a client: without the parser state and grammar it appends
+    (`<state>...`, `<grammar>...`, which can be hundreds of KB) and at most `limit` characters."""
+    for cut in ("\n<state>", "<state>", "\n<grammar>", "<grammar>"):
+        if cut in msg:
+            msg = msg[:msg.index(cut)]
+    msg = msg.strip()
+    return msg if len(msg) <= limit else msg[:limit] + " ..."

@@ -245,3 +245,46 @@ def test_hw_probe_measures_what_masks_cost(smollm2_path):
     a, b = prof["fit"]
     assert a >= 0 and b >= 0 and a + b > 0
     assert prof["seconds"]["1"] > 0 and prof["seconds"]["24"] >= prof["seconds"]["1"] * 0.5
+
+
+def test_what_a_break_it_round_found_is_refused_or_served(llm):
+    """Found by trying the API from outside: each a 400-style ValueError naming the field, or served
+    right, never a crash."""
+    g = llm.engine.grammars
+    # a chain of $refs / Lark rules: llguidance recurses; it killed the process on an 8 MB stack
+    n = 1500
+    chain = {"$defs": {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
+             | {f"d{n}": {"type": "null"}}, "$ref": "#/$defs/d0"}
+    g.compile(StructuredOutputs(json=chain))
+    g.compile(StructuredOutputs(grammar="start: r0\n" + "".join(f'r{i}: "x" r{i + 1}\n' for i in range(5000))
+                                + 'r5000: "a"\n'))
+    for kw, field in ((dict(choice="abc"), "choice"), (dict(regex="ab\\"), "backslash"),
+                      (dict(json="[" * 5000 + "]" * 5000), "nested"), (dict(json="true"), "object")):
+        with pytest.raises(ValueError, match=field):
+            StructuredOutputs(**kw)
+    deep: dict = {}
+    for _ in range(3000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="nested too deeply|structured_outputs"):
+        g.compile(StructuredOutputs(json=deep))
+    with pytest.raises(ValueError, match="^stop:"):
+        llm.generate(["x"], SamplingParams(stop=["]"], structured=StructuredOutputs(choice=["a]"])))
+    # 3,000 choices (a parser row of over 2,000 items failed after the first token), a choice that is a
+    # special token's text (spelled with ordinary tokens), logprobs where fewer tokens are allowed
+    # than asked for (no -inf alternatives)
+    sps = [SamplingParams(temperature=1.0, seed=1, max_tokens=12,
+                          structured=StructuredOutputs(choice=[f"c{i}" for i in range(3000)])),
+           SamplingParams(temperature=0, max_tokens=30, structured=StructuredOutputs(choice=["ok", "ok<|im_end|>!"])),
+           SamplingParams(temperature=1.0, seed=2, max_tokens=30, logprobs=20,
+                          structured=StructuredOutputs(regex="[0-9]{2}"))]
+    outs = llm.generate(["x"] * 3, sps)
+    assert outs[0].finish_reason == "stop" and re.fullmatch(r"c[0-9]+", outs[0].text)
+    # text that spells a special token's: generated with ordinary tokens where llguidance offers them,
+    # else the request ends with the reason; never a crash
+    assert (outs[1].finish_reason == "stop" and outs[1].text in ("ok", "ok<|im_end|>!")) or (
+        outs[1].finish_reason == "error" and "special token" in outs[1].stop_reason), outs[1]
+    with pytest.raises(ValueError, match="special token"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured=StructuredOutputs(choice=["<|im_end|>!"])))
+    assert outs[2].finish_reason == "stop" and re.fullmatch("[0-9]{2}", outs[2].text)
+    assert all(lp > float("-inf") for e in outs[2].logprobs for _, lp in e.top)
+    assert llm.engine.block_manager.num_used_blocks == 0
