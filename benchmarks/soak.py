@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
+from live import free_port, wait_healthy
 
 NAME = "soak"
 
@@ -54,12 +54,6 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -292,15 +286,7 @@ def main() -> None:
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if srv.poll() is not None:
-                raise SystemExit(f"server exited with {srv.returncode}")
-            time.sleep(1)
+        wait_healthy(url, srv, interval_s=1.0)
         # one request first: the decode graph and kernels are ready before the clock starts
         httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hello", "max_tokens": 4}, timeout=600)
         m0 = metric_values(httpx.get(url + "/metrics", timeout=10).text)  # the warm-up's counts, subtracted

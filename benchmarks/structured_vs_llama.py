@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import jsonschema
 
+from live import free_port, wait_healthy
 from mixserve import SamplingParams
 from mixserve.data.schemas import SCHEMAS, prompt
 from mixserve.env import cache_root, machine_info
@@ -39,25 +38,13 @@ def valid(text: str, schema: dict) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_llama(binary: Path, gguf: Path) -> list[dict]:
     port = free_port()
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "-t", "2", "-c", "4096", "-np", "1", "--port", str(port),
                              "--host", "127.0.0.1", "--jinja"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url, proc, interval_s=0.2)
         rows = []
         for what, schema in SCHEMAS:
             body = {"messages": [{"role": "user", "content": prompt(what, schema)}], "temperature": 0,
