@@ -1,7 +1,8 @@
 """mixserve: an LLM inference engine that measures your own traffic mix."""
 from mixserve.sampling_params import SamplingParams
+from mixserve.structured_output import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name):

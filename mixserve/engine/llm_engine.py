@@ -330,9 +330,12 @@ class LLMEngine:
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError(f"{params.structured.source}: this model has no tokenizer, so no grammar")
-            if params.stop or params.stop_token_ids:
-                raise ValueError("stop: a stop string or token would cut a constrained output short of its "
-                                 "grammar; give one or the other")
+            # ... from the start: a constraint that starts after a token (tool calls under auto)
+            # leaves the text before it free, where stop strings apply
+            for name in ("stop", "stop_token_ids"):
+                if getattr(params, name) and params.structured.after is None:
+                    raise ValueError(f"{name}: a stop string or token would cut a constrained output short of "
+                                     f"its grammar; give one or the other")
             self.grammars.compile(params.structured)  # cached: add_request copies it
             self.grammars.trigger_token(params.structured)
 

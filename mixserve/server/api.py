@@ -414,7 +414,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         if engine.grammars is None:
             return
         if kind == "chat" and req.tools is not None:
-            tools = tool_calls.plan(req, engine.grammars.lark_literal)
+            tools = tool_calls.plan(req, engine.grammars.lark_literal, engine.grammars.is_one_token)
             spec = tools.constraint if tools is not None else None
         else:
             spec = structured(req)
@@ -445,7 +445,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             prompts = completion_prompts(req)
             logprobs = req.logprobs
         else:
-            tools = tool_calls.plan(req, engine.grammars.lark_literal if engine.grammars is not None else json.dumps)
+            tools = (tool_calls.plan(req, engine.grammars.lark_literal, engine.grammars.is_one_token)
+                     if engine.grammars is not None else tool_calls.plan(req))
             prompts = [chat_prompt(req, tools)]
             if req.top_logprobs is not None and not req.logprobs:
                 raise bad_request("top_logprobs", "top_logprobs: requires logprobs: true")
@@ -738,8 +739,13 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 if job.calls_tools:  # content deltas until a call opens, then tool-call deltas
                     if c.tool_stream is None:
                         c.tool_stream = tool_calls.ToolStream(job.tools.names)
-                    for d in c.tool_stream.feed(out.new_text, final=out.finished):
-                        yield chunk([{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}])
+                    deltas = c.tool_stream.feed(out.new_text, final=out.finished)
+                    if not deltas and new_ids and (req.return_token_ids or job.logprobs is not None):
+                        deltas = [{}]  # text held back: the tokens' entries go out now, on an empty delta
+                    for k, d in enumerate(deltas):
+                        ch = choice(c, "", new_ids if k == 0 else [], new_lps if k == 0 else [])
+                        ch["delta"] = d
+                        yield chunk([ch])
                     if out.finished:
                         yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                       "finish_reason": tool_finish(job, c, bool(c.tool_stream.calls))}])

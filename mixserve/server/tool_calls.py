@@ -46,17 +46,21 @@ class ToolPlan:
         return tuple(t["function"]["name"] for t in self.tools)
 
 
-def plan(req, literal=lambda text: json.dumps(text)) -> ToolPlan | None:
+def plan(req, literal=lambda text: json.dumps(text), one_token=lambda text: True) -> ToolPlan | None:
     """The ToolPlan of a chat request (None without tools). Raises APIError(400) naming the field:
     a tool that is not a function with a name (letters, digits, _ and -, at most 64) and an object
     for parameters, two tools of one name, a tool_choice that is not none/auto/required or names an
     unknown function, tool_choice or parallel_tool_calls without tools, or tools beside
     response_format / structured_outputs. `literal(text)`: the Lark term for the call tags in
-    this model's vocabulary (GrammarCompiler.lark_literal)."""
+    this model's vocabulary (GrammarCompiler.lark_literal); `one_token(text)`: whether the opening
+    tag is one token of it (GrammarCompiler.is_one_token): where it is not (a template without
+    Hermes tool calls, SmolLM2's), `auto` replies are read for calls but not constrained."""
     tools = req.tools
     if tools is None:
         if req.tool_choice is not None and req.tool_choice != "none":
             raise bad_request("tool_choice", "tool_choice: needs tools")
+        if req.parallel_tool_calls is not None:
+            raise bad_request("parallel_tool_calls", "parallel_tool_calls: needs tools")
         return None
     if not isinstance(tools, list) or not tools:
         raise bad_request("tools", "tools: must be a non-empty list")
@@ -104,6 +108,8 @@ def plan(req, literal=lambda text: json.dumps(text)) -> ToolPlan | None:
         constraint = None
     elif choice == "named":
         constraint = StructuredOutputs(grammar=call_grammar({name: fns[name]}, False, False, literal), source="tools")
+    elif choice == "auto" and not one_token(OPEN):
+        constraint = None
     else:
         constraint = StructuredOutputs(grammar=call_grammar(fns, parallel, choice == "auto", literal), source="tools",
                                        after=OPEN if choice == "auto" else None)
@@ -182,9 +188,18 @@ def split_calls(text: str, names=()) -> tuple[str | None, list[dict]]:
         kept.append(text[pos:m.start()])
         pos = m.end()
         calls.append(call)
-    kept.append(text[pos:])
+    tail = text[pos:]
+    if calls and _unclosed(tail):  # a call cut off (max_tokens): not text, and not a call
+        tail = tail[:tail.index(OPEN)]
+    kept.append(tail)
     # each stretch of text between calls without its whitespace ends (what ToolStream sends)
     return "".join(k.strip() for k in kept) or None, calls
+
+
+def _unclosed(text: str) -> bool:
+    """Whether `text` ends inside a call: an opening tag with no closing tag after it."""
+    i = text.rfind(OPEN)
+    return i >= 0 and CLOSE not in text[i:]
 
 
 def _parse(body: str) -> dict | None:
@@ -270,8 +285,9 @@ class ToolStream:
                 self.buf = self.buf[i:]
             m = _CALL.match(self.buf)
             if m is None:
-                if final:  # an unclosed call: it stays text
-                    self._text(self.buf, out)
+                if final:  # an unclosed call: cut off after calls (split_calls' rule), else it stays text
+                    if not self.calls:
+                        self._text(self.buf, out)
                     self.buf = ""
                 return out
             call = _parse(m.group(1))

@@ -144,6 +144,10 @@ class GrammarCompiler:
         if err:
             raise ValueError(err if err.startswith(spec.source) else f"{spec.source}: {short_error(err)}")
         self.compile_times.append(time.perf_counter() - t0)
+        named_eos = {int(i) for i in _SPECIAL_REF.findall(spec.grammar or "")} & set(self.eos_ids)
+        if named_eos:  # the engine ends a request at its end token: a grammar cannot go on past one
+            raise ValueError(f"{spec.source}: the grammar names an end token (<[{min(named_eos)}]>); a request "
+                             f"ends at its end token, where its grammar accepts")
         first = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
         if not bool((first[:len(self.keep_mask(spec))] & self.row_mask(spec, m)).any()):
             raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
@@ -164,6 +168,10 @@ class GrammarCompiler:
             raise ValueError(f"{spec.source}: {spec.after!r} is {len(ids)} tokens of this model's vocabulary; "
                              f"a constraint can start only after one token")
         return ids[0]
+
+    def is_one_token(self, text: str) -> bool:
+        """Whether `text` is one token of this vocabulary (what StructuredOutputs.after needs)."""
+        return len(self.view().tokenize_str(text)) == 1
 
     def lark_literal(self, text: str) -> str:
         """`text` as a Lark term that matches it in this vocabulary: the token itself (`<[id]>`) where

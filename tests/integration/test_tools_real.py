@@ -90,6 +90,16 @@ def test_streamed_tool_call_deltas_join_to_the_result(client):
         want = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls or []]
         assert [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())] == want, kw
         assert (content or None) == whole.message.content and finish == whole.finish_reason
+    # logprobs and token ids stream with tool replies too, one entry per counted token
+    n_ids = n_lps = 0
+    for ch in create(cl, tools=TOOLS, stream=True, tool_choice="required", logprobs=True, top_logprobs=1,
+                     stream_options={"include_usage": True}, extra_body={"return_token_ids": True}):
+        if ch.usage is not None:
+            used = ch.usage.completion_tokens
+        for c in ch.choices:
+            n_ids += len(getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids") or [])
+            n_lps += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
+    assert n_ids == used and n_lps == used
 
 
 def test_a_second_turn_sends_the_result_back_and_is_answered(client):

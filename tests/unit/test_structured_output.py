@@ -269,6 +269,13 @@ def test_what_a_break_it_round_found_is_refused_or_served(llm):
         g.compile(StructuredOutputs(json=deep))
     with pytest.raises(ValueError, match="^stop:"):
         llm.generate(["x"], SamplingParams(stop=["]"], structured=StructuredOutputs(choice=["a]"])))
+    with pytest.raises(ValueError, match="^stop_token_ids:"):
+        llm.generate(["x"], SamplingParams(stop_token_ids=[5], structured=StructuredOutputs(choice=["a]"])))
+    # a constraint that starts after a token leaves the text before it free: stop strings apply there
+    llm.generate(["x"], SamplingParams(max_tokens=3, stop=["zz"],
+                                       structured=StructuredOutputs(choice=["a"], after="<|im_start|>")))
+    with pytest.raises(ValueError, match="end token"):
+        g.compile(StructuredOutputs(grammar='start: "a" <[2]>\n'))
     # 3,000 choices (a parser row of over 2,000 items failed after the first token), a choice that is a
     # special token's text (spelled with ordinary tokens), logprobs where fewer tokens are allowed
     # than asked for (no -inf alternatives)

@@ -32,7 +32,7 @@ def req(**kw):
     (dict(tools=[WEATHER], tool_choice="always"), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice={"type": "function"}), "tool_choice"),
-    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"), (dict(parallel_tool_calls=False), "parallel_tool_calls"),
     (dict(tools=[WEATHER], response_format={"type": "json_object"}), "response_format"),
 ])
 def test_bad_tools_are_400_naming_the_field(kw, param):
@@ -49,6 +49,9 @@ def test_plans_for_each_choice():
     assert p.constraint is None and len(p.tools) == 2
     p = plan(req(tools=[WEATHER, ADD], tool_choice="required", parallel_tool_calls=False))
     assert p.constraint.after is None and not p.parallel
+    # a vocabulary where the opening tag is no single token (SmolLM2's): auto replies are read, not constrained
+    assert plan(req(tools=[WEATHER, ADD]), one_token=lambda t: False).constraint is None
+    assert plan(req(tools=[WEATHER, ADD], tool_choice="required"), one_token=lambda t: False).constraint is not None
     p = plan(req(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}}))
     assert p.choice == "named" and p.name == "add" and '"const": "add"' in p.constraint.grammar
     assert "get_weather" not in p.constraint.grammar
@@ -88,6 +91,8 @@ def test_split_calls_and_bare_calls():
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     broken = '<tool_call>\n{"name": "get_weather", "argu'
     assert split_calls(broken) == (broken, [])
+    cut = '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "ad'
+    assert split_calls(cut)[0] is None and len(split_calls(cut)[1]) == 1  # a call cut off after calls: dropped
     two = 'a\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>\n\n b c \n'
     assert split_calls(two)[0] == "ab c"
     bare = '```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n```'
