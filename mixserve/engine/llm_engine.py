@@ -740,10 +740,12 @@ class LLMEngine:
                 if not e and seqs[i].seq_id in done:
                     token_mask[i] = done[seqs[i].seq_id]
             for i, _, e in constrained:
-                if not e and not bool(token_mask[i].any()):
+                if not bool(token_mask[i].any()):
                     # nothing left (its text needs a special token's text): the row takes an end
                     # token and _append_token ends it with the reason, instead of sampling from nothing
-                    seqs[i].grammar_stuck = True
+                    # (NaN); at a draft's position the end token fails the grammar where it is reached
+                    if not e:
+                        seqs[i].grammar_stuck = True
                     eos = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
                     token_mask[i, eos // 32] = 1 << (eos % 32) if eos % 32 != 31 else -2**31
         return SamplingMetadata(

@@ -199,6 +199,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     token_text = TokenText(decoder) if decoder is not None else None
     # one thread: prompts are tokenized (and so submitted) in arrival order
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mixserve-tokenize")
+    # requests waiting on a grammar compile (each waits on GrammarCompiler's one compile thread)
+    compile_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="mixserve-compile")
     if hasattr(type(tokenizer), "prepare_chat_template"):
         # the light tokenizer (models/tokenizer.py) loads transformers' for the chat template on first
         # use (~2 s): now, on the thread that tokenizes, so that no chat request waits for it
@@ -226,6 +228,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         yield
         await loop.stop()
         tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        compile_pool.shutdown(wait=False, cancel_futures=True)
         if recorder is not None:
             recorder.close()
 
@@ -336,9 +339,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         except RecursionError:
             raise bad_request(None, "the request body is nested too deeply") from None
         req = parse_request(kind, body)
-        # an output constraint compiles first, on a thread of its own (GrammarCompiler's), awaited
-        # here: a slow schema must not hold up the tokenizing thread that every request passes
-        await asyncio.get_running_loop().run_in_executor(None, compile_constraint, kind, req)
+        # an output constraint compiles first, on threads of its own, awaited here: a slow schema
+        # must hold up neither the tokenizing thread nor a free request (which skips this)
+        if has_constraint(kind, req):
+            await asyncio.get_running_loop().run_in_executor(compile_pool, compile_constraint, kind, req)
         # tokenization and templating off the event loop: a long prompt must not stall other streams
         job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req)
         job.salt = request_salt(req, key_name)
@@ -406,6 +410,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             await asyncio.wait_for(jobs_done.wait(), flush_s)
 
     app.state.drain = drain
+
+    def has_constraint(kind: str, req) -> bool:
+        return (kind == "chat" and req.tools is not None) or any(
+            getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
+                                                  "guided_regex", "guided_choice", "guided_grammar"))
 
     def compile_constraint(kind: str, req) -> None:
         """Compile the request's output constraint (response_format, structured_outputs, guided_*, or

@@ -25,7 +25,7 @@ from mixserve.structured_output import StructuredOutputs
 from mixserve.structured_output.spec import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
@@ -68,12 +68,14 @@ def plan(req, literal=lambda text: json.dumps(text), one_token=lambda text: True
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise bad_request("tools", f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if set(t) - {"type", "function"}:
+            raise bad_request("tools", f"tools[{i}].{sorted(set(t) - {'type', 'function'})[0]}: unknown field")
         f = t["function"]
         unknown = set(f) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise bad_request("tools", f"tools[{i}].function.{sorted(unknown)[0]}: unknown field")
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request("tools", f"tools[{i}].function.name: is required: letters, digits, _ and -, "
                                        f"at most 64 (got {name!r})")
         if name in fns:
@@ -83,6 +85,11 @@ def plan(req, literal=lambda text: json.dumps(text), one_token=lambda text: True
             raise bad_request("tools", f"tools[{i}].function.parameters: must be a JSON schema object")
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise bad_request("tools", f"tools[{i}].function.description: must be a string")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise bad_request("tools", f"tools[{i}].function.strict: must be true or false")
+        text = json.dumps(params)
+        if OPEN in text or CLOSE in text:  # the call's own tags inside it: the grammar cannot tell them apart
+            raise bad_request("tools", f"tools[{i}].function.parameters: may not hold {OPEN} or {CLOSE}")
         fns[name] = params
     for other in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar"):
@@ -123,7 +130,7 @@ def call_grammar(fns: dict[str, dict], parallel: bool, opened: bool, literal=lam
     newline; `opened`: the first call's `<tool_call>` is already out (the constraint starts after
     it). Each call's JSON is one of the tools: its name a constant and its arguments its schema.
     `literal(text)`: the Lark term of a tag (plan's)."""
-    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _arguments_schema(n, p)},
              "required": ["name", "arguments"], "additionalProperties": False} for n, p in fns.items()]
     schema = {"x-guidance": JSON_OPTIONS, **(alts[0] if len(alts) == 1 else {"anyOf": alts})}
     o, c = literal(OPEN), literal(CLOSE)
@@ -132,6 +139,18 @@ def call_grammar(fns: dict[str, dict], parallel: bool, opened: bool, literal=lam
     return (f"start: {first}{rest}\n"
             f'call: {o} "\\n" call_json "\\n" {c}\n'
             f"call_json: %json {json.dumps(schema)}\n")
+
+
+def _arguments_schema(name: str, params: dict) -> dict:
+    """A tool's `parameters` as the schema of a call's `arguments`: an object (OpenAI's arguments are
+    one, even where `parameters` leaves the type open), with an `$id` of its own so that its `$ref`s
+    ("#/$defs/...", "#") resolve inside it rather than against the call's wrapper; its own
+    `x-guidance` options dropped (the server's apply)."""
+    p = {k: v for k, v in params.items() if k != "x-guidance"}
+    if "type" not in p and not any(k in p for k in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")):
+        p["type"] = "object"
+    p.setdefault("$id", f"urn:mixserve:tool:{name}")
+    return p
 
 
 def new_call_id() -> str:

@@ -31,6 +31,7 @@ log = logging.getLogger("mixserve")
 # A grammar text this long is refused before llguidance reads it: schemas users send are KBs; the
 # server's body limit bounds it too, but the Python API has none
 MAX_GRAMMAR_BYTES = 1 << 20
+MAX_CACHE_BYTES = 64 << 20  # the cached constraints' texts at most (their compiled grammars are larger)
 # The compile thread's stack: llguidance builds a grammar recursively, and a chain of 1,200 $refs or
 # 3,000 Lark rules (tens of KB of schema) overflowed a default 8 MB thread stack, killing the process
 # (found by trying it); at ~7 KB a level this holds any grammar of MAX_GRAMMAR_BYTES. Address space
@@ -81,7 +82,9 @@ class GrammarCompiler:
         self._view = None
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
-        self._keep: dict[str, torch.Tensor] = {}
+        self._cache_bytes = 0
+        self._keep: dict[str, torch.Tensor] = {}  # dropped with their compiled grammar
+        self.real_vocab = self.vocab_size  # the tokenizer's own vocabulary (view() sets it)
         self._special: list[tuple[int, str]] | None = None
         old = threading.stack_size()
         threading.stack_size(STACK_BYTES)
@@ -99,8 +102,12 @@ class GrammarCompiler:
                 from llguidance import LLTokenizer
 
                 t0 = time.perf_counter()
-                self._view = LLTokenizer(tokenizer_json(self._new_tokenizer()), n_vocab=self.vocab_size,
-                                         eos_token=self.eos_ids)
+                tok = self._new_tokenizer()
+                self._view = LLTokenizer(tokenizer_json(tok), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                try:  # ids from here to the logits' width are padding: never allowed (keep_mask)
+                    self.real_vocab = min(self.vocab_size, len(tok))
+                except TypeError:
+                    pass
                 log.info("structured output: the tokenizer's view built in %.2f s", time.perf_counter() - t0)
             return self._view
 
@@ -123,6 +130,9 @@ class GrammarCompiler:
                 message), the grammar text is over MAX_GRAMMAR_BYTES, or the compile takes longer
                 than timeout_s.
         """
+        kept = getattr(spec, "_compiled", None)
+        if kept is not None and kept[0] is self:
+            return kept[1]
         try:
             key = spec.key()
         except RecursionError:
@@ -131,6 +141,7 @@ class GrammarCompiler:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
+                object.__setattr__(spec, "_compiled", (self, hit))
                 return hit
         view = self.view()
         t0 = time.perf_counter()
@@ -144,18 +155,26 @@ class GrammarCompiler:
         if err:
             raise ValueError(err if err.startswith(spec.source) else f"{spec.source}: {short_error(err)}")
         self.compile_times.append(time.perf_counter() - t0)
-        named_eos = {int(i) for i in _SPECIAL_REF.findall(spec.grammar or "")} & set(self.eos_ids)
-        if named_eos:  # the engine ends a request at its end token: a grammar cannot go on past one
-            raise ValueError(f"{spec.source}: the grammar names an end token (<[{min(named_eos)}]>); a request "
-                             f"ends at its end token, where its grammar accepts")
+        named = {int(i) for i in _SPECIAL_REF.findall(spec.grammar or "")}
+        if named & set(self.eos_ids):  # the engine ends a request at its end token: no grammar goes past one
+            raise ValueError(f"{spec.source}: the grammar names an end token (<[{min(named & set(self.eos_ids))}]>); "
+                             f"a request ends at its end token, where its grammar accepts")
+        if any(i >= self.real_vocab for i in named):
+            raise ValueError(f"{spec.source}: the grammar names token <[{max(named)}]>, past this vocabulary's "
+                             f"{self.real_vocab} tokens (padding ids are never generated)")
         first = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
         if not bool((first[:len(self.keep_mask(spec))] & self.row_mask(spec, m)).any()):
             raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
                              f"an end token's), which is not generated as text")
         with self._lock:
             self._cache[key] = m
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cache_bytes += len(key)
+            # by count and by the constraints' text (a 200 KB schema a request kept ~4 MB here)
+            while len(self._cache) > self.cache_size or (self._cache_bytes > MAX_CACHE_BYTES and len(self._cache) > 1):
+                old_key, _ = self._cache.popitem(last=False)
+                self._cache_bytes -= len(old_key)
+                self._keep.pop(old_key, None)
+        object.__setattr__(spec, "_compiled", (self, m))
         return m
 
     def trigger_token(self, spec: StructuredOutputs) -> int | None:
@@ -206,12 +225,16 @@ class GrammarCompiler:
         from mixserve.structured_output import masks
 
         keep = torch.full((masks.words(self.vocab_size),), -1, dtype=torch.int32)
+        allowed = masks.allowed(keep.unsqueeze(0), self.vocab_size)[0]
+        allowed[self.real_vocab:] = False  # padding ids
         for i, t in self._special:
             if i in named or (text and re.search(r"(?<![\"'\w])" + re.escape(t) + r"(?![\"'\w])", text)):
                 continue
-            keep[i // 32] &= ~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF
+            allowed[i] = False
+        keep = masks.pack(allowed)
         with self._lock:
-            self._keep[key] = keep
+            if key in self._cache:
+                self._keep[key] = keep
         return keep
 
     def row_mask(self, spec: StructuredOutputs, matcher) -> torch.Tensor:

@@ -66,6 +66,15 @@ def allowed(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [V] -> int32 [words(V)] bitmask (allowed's inverse)."""
+    v = allowed.shape[0]
+    bits = torch.zeros(words(v) * 32, dtype=torch.int64)
+    bits[:v] = allowed.to(torch.int64)
+    w = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
 def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
     """`logits` [N, V] (float) with each listed row's disallowed tokens at -inf: a new tensor where
     any row is listed (the input is never modified), else `logits` itself. mask: int32 [N, W]

@@ -108,7 +108,11 @@ class StructuredOutputs:
         try:
             if kind in ("json", "json_object"):
                 schema = {"type": "object"} if kind == "json_object" else self.json
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+                schema = json.loads(schema) if isinstance(schema, str) else schema
+                # llguidance's own options ("x-guidance") are the server's, not the request's: a
+                # request's would switch off the keyword checks (lenient) or bring back free whitespace
+                schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS, overrides=JSON_OPTIONS)
             if kind == "regex":
                 return LLMatcher.grammar_from_regex(self.regex)
             if kind == "choice":

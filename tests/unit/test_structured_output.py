@@ -295,3 +295,34 @@ def test_what_a_break_it_round_found_is_refused_or_served(llm):
     assert outs[2].finish_reason == "stop" and re.fullmatch("[0-9]{2}", outs[2].text)
     assert all(lp > float("-inf") for e in outs[2].logprobs for _, lp in e.top)
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_the_second_break_it_round(llm, tiny):
+    """Found by the second round: the engine thread never compiles (an evicted grammar is kept with
+    its request), a request's x-guidance options are not its to set, padding ids are never named,
+    and a position whose grammar allows nothing under speculation ends with a reason, not NaN."""
+    g = llm.engine.grammars
+    spec = StructuredOutputs(choice=["yes", "no"])
+    m = g.compile(spec)
+    g._cache.clear()  # as an eviction would
+    before = len(g.compile_times)
+    assert g.matcher(spec) is not None and len(g.compile_times) == before  # kept with the spec
+    with pytest.raises(ValueError, match="uniqueItems"):
+        g.compile(StructuredOutputs(json={"x-guidance": {"lenient": True}, "type": "array", "uniqueItems": True}))
+    # logits wider than the vocabulary (the 0.5B's 151,936 against 151,665): the padding ids
+    from mixserve.structured_output.compiler import GrammarCompiler
+
+    wide = GrammarCompiler(llm.engine.new_tokenizer, 49152 + 64, [2])
+    with pytest.raises(ValueError, match="past this vocabulary"):
+        wide.compile(StructuredOutputs(grammar="start: <[49200]>\n"))
+    keep = masks.allowed(wide.keep_mask(StructuredOutputs(choice=["a"])).unsqueeze(0), 49152 + 64)[0]
+    assert not keep[49152:].any() and keep[100:200].all()
+    assert m is not None
+    spec_llm = LLM(tiny, dtype="float32", kv_cache_memory="16MiB", progress=False, draft_model="ngram",
+                   speculation="fixed", num_speculative_tokens=4)
+    o = spec_llm.generate([[49, 50, 51, 49, 50, 51, 49, 50, 51]], SamplingParams(
+        temperature=0, max_tokens=10, logprobs=1, structured=StructuredOutputs(regex="abc<\\|im_start\\|>")))[0]
+    assert o.finish_reason in ("stop", "error") and all(
+        e.logprob == e.logprob for e in o.logprobs)  # no NaN
+    if o.finish_reason == "error":
+        assert "grammar" in o.stop_reason
