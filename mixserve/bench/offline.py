@@ -14,6 +14,21 @@ from mixserve.sampling_params import SamplingParams
 from mixserve.structured_output.spec import from_response_format
 
 
+def tool_constraint(engine: LLMEngine, r: BenchRequest):
+    """The constraint a trace line's tools and tool_choice put on its reply (the server's, as
+    server/tool_calls.py builds it)."""
+    from mixserve.structured_output.tools import call_constraint
+
+    if engine.grammars is None:
+        raise ValueError("trace: tools need the model's tokenizer and chat template")
+    fns = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "properties": {}})
+           for t in r.tools}
+    choice, name = r.tool_choice or "auto", None
+    if isinstance(choice, dict):
+        choice, name = "named", choice["function"]["name"]
+    return call_constraint(fns, choice, name, True, engine.grammars.lark_literal, engine.grammars.is_one_token)
+
+
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: float = 0.0,
                 ignore_eos: bool = True, seed: int | None = None, progress: bool = True,
                 conversations_at_once: int | None = None) -> tuple[dict, list]:
@@ -38,8 +53,11 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     finished (data/prefix.conversation_links, the rule the planner simulates); None: all at once.
     """
     def params(i: int, r: BenchRequest) -> SamplingParams:
-        # a trace line's response_format: constrained (it ends where its grammar does, ignore_eos or not)
+        # a trace line's response_format or tools: constrained (it ends where its grammar does,
+        # ignore_eos or not)
         structured = from_response_format(r.response_format) if r.response_format is not None else None
+        if r.tools is not None:
+            structured = tool_constraint(engine, r)
         return SamplingParams(temperature=temperature, max_tokens=r.max_tokens, ignore_eos=ignore_eos,
                               seed=None if seed is None else seed + i, structured=structured)
 
@@ -58,8 +76,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
 
     def send(i: int) -> None:
         r = requests[i]
-        prompt = r.prompt if r.conversation is None else chat_ids(
-            engine.tokenizer, conversation_messages(r, history[r.conversation]))
+        prompt = r.prompt if r.conversation is None and r.tools is None else chat_ids(
+            engine.tokenizer, conversation_messages(r, history.get(r.conversation, [])), r.tools)
         ids[i] = engine.add_request(prompt, params(i, r))
         index[ids[i]] = i
 

@@ -75,7 +75,9 @@ async def _send(client, url: str, body: dict, headers: dict) -> OnlineResult:
                 if "error" in chunk:
                     res.error = chunk["error"].get("message", "error")
                     return res
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                ch = chunk["choices"][0] if chunk.get("choices") else {}
+                delta = ch.get("delta") or {}  # a chat chunk (a trace line with tools)
+                if ch.get("text") or delta.get("content") or delta.get("tool_calls"):
                     if res.first_token is None:
                         res.first_token = now
                     res.chunk_times.append(now)
@@ -103,6 +105,7 @@ async def run_online_async(url: str, model: str, requests: list[BenchRequest], r
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=64)
     endpoint = url.rstrip("/") + "/v1/completions"
+    chat_endpoint = url.rstrip("/") + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
         t0 = time.perf_counter()
 
@@ -112,10 +115,16 @@ async def run_online_async(url: str, model: str, requests: list[BenchRequest], r
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
             if r.response_format is not None:  # a trace line's constraint, as the server reads it
                 body["response_format"] = r.response_format
+            target = endpoint
+            if r.tools is not None:  # ... or its tools: a chat request
+                target = chat_endpoint
+                body.pop("prompt")
+                body.update(messages=[{"role": "user", "content": r.prompt}], tools=r.tools,
+                            tool_choice=r.tool_choice or "auto")
             if sem is None:
-                return await _send(client, endpoint, body, headers)
+                return await _send(client, target, body, headers)
             async with sem:
-                return await _send(client, endpoint, body, headers)
+                return await _send(client, target, body, headers)
 
         results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     ends = [r.finish for r in results if r.finish is not None]

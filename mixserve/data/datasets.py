@@ -81,6 +81,9 @@ class BenchRequest:
     response_format: OpenAI's response_format (a trace line's): the request's
         output is constrained (structured_output), so a mix can be measured with
         its constrained share; None for free text.
+    tools, tool_choice: OpenAI's (a trace line's): the prompt is a chat user
+        message sent with these tools, the reply constrained as tool_choice asks
+        (structured_output/tools.py; default "auto").
     """
 
     prompt: str
@@ -98,6 +101,8 @@ class BenchRequest:
     block_hashes: list[str] | None = None
     block_size: int | None = None
     response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
 
 # --------------------------------------------------------------------------
@@ -595,6 +600,9 @@ def load_jsonl(
     - ``tag``: optional slice name (default "jsonl").
     - ``response_format``: optional, OpenAI's (``{"type": "json_schema", ...}``): the
       request's output is constrained (checked here: a bad one is an error naming the line).
+    - ``tools`` and ``tool_choice``: optional, OpenAI's: ``prompt`` is a chat user message
+      sent with these tools (functions with a name; tool_choice none, auto, required or
+      ``{"type": "function", "function": {"name": ...}}``, default auto).
     - prefix structure, optional (BenchRequest, data/prefix.py): ``prefix_group``
       and ``prefix_tokens``; ``conversation``, ``turn`` (and ``system``) for a
       closed-loop multi-turn conversation; ``block_hashes`` and ``block_size``
@@ -669,6 +677,8 @@ def load_jsonl(
                 except ValueError as e:
                     raise ValueError(f"{where}: {e}") from None
                 br.response_format = obj["response_format"]
+            if obj.get("tools") is not None:
+                br.tools, br.tool_choice = _tools_fields(obj, where)
             if br.conversation is not None:
                 want = turns.get(br.conversation, 0) + 1
                 if br.turn != want:
@@ -677,6 +687,28 @@ def load_jsonl(
                 turns[br.conversation] = br.turn
             out.append(br)
     return out
+
+
+def _tools_fields(obj: dict, where: str) -> tuple[list[dict], str | dict]:
+    """A trace line's tools and tool_choice, checked (ValueError naming the line)."""
+    tools = obj["tools"]
+    if obj.get("response_format") is not None:
+        raise ValueError(f"{where}: give 'tools' or 'response_format', not both")
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"{where}: 'tools' must be a non-empty list")
+    names = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("parameters", {}), dict):
+            raise ValueError(f"{where}: 'tools'[{i}] must be {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ..., \"parameters\": {{...}}}}}}")
+        names.append(f["name"])
+    choice = obj.get("tool_choice", "auto")
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (choice in ("none", "auto", "required") or named in names):
+        raise ValueError(f"{where}: 'tool_choice' must be none, auto, required or name one of the tools (got {choice!r:.60})")
+    return tools, choice
 
 
 _HEX = re.compile(r"[0-9a-fA-F]{10,64}")

@@ -118,10 +118,11 @@ def conversation_messages(req: BenchRequest, history: list[tuple[str, str]]) -> 
     return msgs + [{"role": "user", "content": req.prompt}]
 
 
-def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids the server sends for `messages` (template with generation prompt; the template
-    writes its special tokens itself)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids the server sends for `messages` (template with generation prompt, and `tools`
+    where given; the template writes its special tokens itself)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 from mixserve.server.protocol import bad_request
 from mixserve.structured_output import StructuredOutputs
-from mixserve.structured_output.spec import JSON_OPTIONS
+from mixserve.structured_output.tools import CLOSE, OPEN, call_constraint
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
@@ -111,46 +110,9 @@ def plan(req, literal=lambda text: json.dumps(text), one_token=lambda text: True
     else:
         raise bad_request("tool_choice", f"tool_choice: must be none, auto, required or a named function (got {tc!r})")
     parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
-    if choice == "none":
-        constraint = None
-    elif choice == "named":
-        constraint = StructuredOutputs(grammar=call_grammar({name: fns[name]}, False, False, literal), source="tools")
-    elif choice == "auto" and not one_token(OPEN):
-        constraint = None
-    else:
-        constraint = StructuredOutputs(grammar=call_grammar(fns, parallel, choice == "auto", literal), source="tools",
-                                       after=OPEN if choice == "auto" else None)
+    constraint = call_constraint(fns, choice, name, parallel, literal, one_token)
     return ToolPlan(tools=[{"type": "function", "function": {k: v for k, v in t["function"].items()}} for t in tools],
                     choice=choice, name=name, parallel=parallel and choice != "named", constraint=constraint)
-
-
-def call_grammar(fns: dict[str, dict], parallel: bool, opened: bool, literal=lambda text: json.dumps(text)) -> str:
-    """Lark (llguidance's, with %json) for one tool call, or several with `parallel`, in the
-    Hermes format: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`, calls joined by a
-    newline; `opened`: the first call's `<tool_call>` is already out (the constraint starts after
-    it). Each call's JSON is one of the tools: its name a constant and its arguments its schema.
-    `literal(text)`: the Lark term of a tag (plan's)."""
-    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _arguments_schema(n, p)},
-             "required": ["name", "arguments"], "additionalProperties": False} for n, p in fns.items()]
-    schema = {"x-guidance": JSON_OPTIONS, **(alts[0] if len(alts) == 1 else {"anyOf": alts})}
-    o, c = literal(OPEN), literal(CLOSE)
-    first = f'"\\n" call_json "\\n" {c}' if opened else "call"
-    rest = ' ("\\n" call)*' if parallel else ""
-    return (f"start: {first}{rest}\n"
-            f'call: {o} "\\n" call_json "\\n" {c}\n'
-            f"call_json: %json {json.dumps(schema)}\n")
-
-
-def _arguments_schema(name: str, params: dict) -> dict:
-    """A tool's `parameters` as the schema of a call's `arguments`: an object (OpenAI's arguments are
-    one, even where `parameters` leaves the type open), with an `$id` of its own so that its `$ref`s
-    ("#/$defs/...", "#") resolve inside it rather than against the call's wrapper; its own
-    `x-guidance` options dropped (the server's apply)."""
-    p = {k: v for k, v in params.items() if k != "x-guidance"}
-    if "type" not in p and not any(k in p for k in ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")):
-        p["type"] = "object"
-    p.setdefault("$id", f"urn:mixserve:tool:{name}")
-    return p
 
 
 def new_call_id() -> str:

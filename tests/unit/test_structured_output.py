@@ -7,6 +7,7 @@ mixed batches) must give the same tokens as the plain path.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -49,8 +50,9 @@ def tiny(tmp_path_factory, smollm2_path):
                       tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
     Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
     src = load_tokenizer(smollm2_path).name_or_path
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{src}/{f}", folder / f)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(f"{src}/{f}"):
+            shutil.copy(f"{src}/{f}", folder / f)
     return str(folder)
 
 
@@ -326,3 +328,28 @@ def test_the_second_break_it_round(llm, tiny):
         e.logprob == e.logprob for e in o.logprobs)  # no NaN
     if o.finish_reason == "error":
         assert "grammar" in o.stop_reason
+
+
+def test_a_trace_line_may_carry_tools(tiny, tmp_path):
+    """A trace line's tools: its prompt a chat message with the tools, its reply constrained as
+    tool_choice asks (required: a call of one of the tools)."""
+    from mixserve.bench.offline import run_offline
+    from mixserve.data.datasets import load_jsonl
+    from mixserve.server.tool_calls import split_calls
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "Add.", "max_tokens": 80, "tools": tools, "tool_choice": "required"}) + "\n")
+    reqs = load_jsonl(path)
+    assert reqs[0].tools == tools and reqs[0].tool_choice == "required"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "tools": tools, "tool_choice": {"type": "function",
+                                                                            "function": {"name": "nope"}}}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: 'tool_choice'"):
+        load_jsonl(bad)
+    # SmolLM2's chat template (it ignores tools; the grammar holds all the same)
+    chat = LLM(tiny, dtype="float32", kv_cache_memory="16MiB", progress=False)
+    _, outs = run_offline(chat.engine, reqs, progress=False)
+    content, calls = split_calls(outs[0].text, ("add",))
+    assert outs[0].finish_reason == "length" or (len(calls) >= 1 and calls[0]["function"]["name"] == "add")

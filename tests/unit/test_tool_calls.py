@@ -8,7 +8,8 @@ import random
 import pytest
 
 from mixserve.server.protocol import APIError, parse_request
-from mixserve.server.tool_calls import ToolStream, bare_calls, call_grammar, plan, split_calls
+from mixserve.server.tool_calls import ToolStream, bare_calls, plan, split_calls
+from mixserve.structured_output.tools import call_grammar
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
