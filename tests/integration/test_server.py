@@ -483,7 +483,8 @@ BAD = [
     (CH, {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     (CH, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
-    (CH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CH, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+    (CH, {"messages": CHAT, "parallel_tool_calls": False}, "parallel_tool_calls"),
     (CH, {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     (CH, {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     # structured output (issue 33): every bad constraint a 400 naming its field
