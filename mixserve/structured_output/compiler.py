@@ -22,6 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import numpy as np
 import torch
 
 from mixserve.structured_output.spec import StructuredOutputs, short_error
@@ -162,8 +163,9 @@ class GrammarCompiler:
         if any(i >= self.real_vocab for i in named):
             raise ValueError(f"{spec.source}: the grammar names token <[{max(named)}]>, past this vocabulary's "
                              f"{self.real_vocab} tokens (padding ids are never generated)")
-        first = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
-        if not bool((first[:len(self.keep_mask(spec))] & self.row_mask(spec, m)).any()):
+        first = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+        keep = self.row_mask(spec, m).numpy()
+        if not bool((first[:len(keep)] & keep).any()):
             raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
                              f"an end token's), which is not generated as text")
         with self._lock:
@@ -224,14 +226,13 @@ class GrammarCompiler:
             named |= {self.trigger_token(spec)}
         from mixserve.structured_output import masks
 
-        keep = torch.full((masks.words(self.vocab_size),), -1, dtype=torch.int32)
-        allowed = masks.allowed(keep.unsqueeze(0), self.vocab_size)[0]
+        allowed = np.ones(self.vocab_size, dtype=bool)  # numpy: this may run off the engine's thread (masks.py)
         allowed[self.real_vocab:] = False  # padding ids
         for i, t in self._special:
             if i in named or (text and re.search(r"(?<![\"'\w])" + re.escape(t) + r"(?![\"'\w])", text)):
                 continue
             allowed[i] = False
-        keep = masks.pack(allowed)
+        keep = torch.from_numpy(masks.pack_np(allowed))
         with self._lock:
             if key in self._cache:
                 self._keep[key] = keep
@@ -249,12 +250,10 @@ class GrammarCompiler:
         if no_eos is None:
             from mixserve.structured_output import masks
 
-            no_eos = torch.full((masks.words(self.vocab_size),), -1, dtype=torch.int32)
-            for i in self.eos_ids:
-                if 0 <= i < self.vocab_size:
-                    no_eos[i // 32] &= ~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF
-            self._no_eos = no_eos
-        return keep & no_eos
+            ok = np.ones(self.vocab_size, dtype=bool)
+            ok[[i for i in self.eos_ids if 0 <= i < self.vocab_size]] = False
+            no_eos = self._no_eos = torch.from_numpy(masks.pack_np(ok))
+        return torch.from_numpy(keep.numpy() & no_eos.numpy())
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one sequence (its own state), at the grammar's start."""

@@ -6,9 +6,15 @@ plus a draft prefix (speculative verification scores a draft's positions in one 
 is masked as the grammar stands after the draft's first t tokens). `apply` then sets every
 disallowed logit of those rows to -inf in one batched masked_fill; rows without a grammar are not
 touched and no Python loop runs over the vocabulary.
+
+What may run off the engine's thread (fill, and the compiler's masks) is numpy, never torch: one
+torch op on a second thread gave it an OpenMP team of its own, and from then on every decode step
+of the engine's thread ran 15.4 -> 25 ms on the 0.5B (2 cores: more OpenMP threads than cores, and
+libgomp stops spinning at its barriers), found by benchmarks/structured_cost.py.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -30,7 +36,7 @@ def fill(executor, rows: list[tuple[int, object, list[int]]], num_rows: int, voc
     consumed its prefix. A prefix the grammar does not accept leaves its row all ones: the
     position before it forbids the token, so verification never reaches it. The matchers'
     states are unchanged. Runs on the executor's threads, without the GIL."""
-    mask = torch.full((num_rows, words(vocab_size)), -1, dtype=torch.int32)
+    mask = np.full((num_rows, words(vocab_size)), -1, dtype=np.int32)
     entries: list[tuple[object, int, list[int]]] = []
     for k, m, prefix in rows:
         last = entries[-1] if entries else None
@@ -44,20 +50,19 @@ def fill(executor, rows: list[tuple[int, object, list[int]]], num_rows: int, voc
             if c.consume_tokens(list(prefix)) and not c.is_error():
                 entries.append((c, k, []))
     if not entries:
-        return mask
-    from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
-
+        return torch.from_numpy(mask)
     valid = []
     for m, k, d in entries:  # a draft the grammar stops accepting is filled up to there
         n = m.validate_tokens(d) if d else 0
         valid.append((m, k, d[:n]))
+    ptr, row_bytes = mask.ctypes.data, mask.shape[1] * 4
     drafted = [e for e in valid if e[2]]  # llguidance's draft pass takes non-empty drafts only
     if drafted:
-        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, mask)
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, num_rows)
     plain = [(m, k) for m, k, d in valid if not d]
     if plain:
-        fill_next_token_bitmask_par(executor, plain, mask)
-    return mask
+        executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
+    return torch.from_numpy(mask)
 
 
 def allowed(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -66,13 +71,16 @@ def allowed(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def pack(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [V] -> int32 [words(V)] bitmask (allowed's inverse)."""
-    v = allowed.shape[0]
-    bits = torch.zeros(words(v) * 32, dtype=torch.int64)
-    bits[:v] = allowed.to(torch.int64)
-    w = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(1)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+def allowed_np(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """numpy: bool [vocab_size] of an int32 [W] bitmask."""
+    return np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+def pack_np(allowed: np.ndarray) -> np.ndarray:
+    """numpy: bool [V] -> int32 [words(V)] bitmask (allowed_np's inverse)."""
+    bits = np.zeros(words(allowed.shape[0]) * 32, dtype=bool)
+    bits[:allowed.shape[0]] = allowed
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
