@@ -91,7 +91,15 @@ class StructuredOutputs:
 
     def key(self) -> str:  # noqa: D401
         """A canonical text of the constraint: equal constraints (a schema's keys in any order) give
-        equal keys, so a compiled grammar is cached once per constraint."""
+        equal keys, so a compiled grammar is cached once per constraint. Made once (a step asks for
+        it per constrained row)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = self._make_key()
+            object.__setattr__(self, "_key", k)
+        return k
+
+    def _make_key(self) -> str:
         value = {"json": lambda: json.loads(self.json) if isinstance(self.json, str) else self.json,
                  "json_object": lambda: True, "regex": lambda: self.regex,
                  "choice": lambda: list(self.choice), "grammar": lambda: self.grammar}[self.kind]()
