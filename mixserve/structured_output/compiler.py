@@ -156,6 +156,8 @@ class GrammarCompiler:
         if err:
             raise ValueError(err if err.startswith(spec.source) else f"{spec.source}: {short_error(err)}")
         self.compile_times.append(time.perf_counter() - t0)
+        from mixserve.structured_output import masks
+
         named = {int(i) for i in _SPECIAL_REF.findall(spec.grammar or "")}
         if named & set(self.eos_ids):  # the engine ends a request at its end token: no grammar goes past one
             raise ValueError(f"{spec.source}: the grammar names an end token (<[{min(named & set(self.eos_ids))}]>); "
@@ -168,6 +170,12 @@ class GrammarCompiler:
         if not bool((first[:len(keep)] & keep).any()):
             raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
                              f"an end token's), which is not generated as text")
+        # one token taken on a copy: a lexer that explodes at its first step ("too many expressions
+        # constructed", a regex like (a{1000}){1000}) is refused here, not in a request's first step
+        ok = np.flatnonzero(masks.allowed_np(first[:len(keep)] & keep, self.vocab_size))
+        probe = m.deep_copy()
+        if len(ok) and not probe.consume_token(int(ok[0])):
+            raise ValueError(f"{spec.source}: {short_error(probe.get_error())}")
         with self._lock:
             self._cache[key] = m
             self._cache_bytes += len(key)

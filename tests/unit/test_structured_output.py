@@ -269,6 +269,8 @@ def test_what_a_break_it_round_found_is_refused_or_served(llm):
         deep = {"type": "array", "items": deep}
     with pytest.raises(ValueError, match="nested too deeply|structured_outputs"):
         g.compile(StructuredOutputs(json=deep))
+    with pytest.raises(ValueError, match="too many expressions"):  # a lexer that explodes at its first step
+        g.compile(StructuredOutputs(regex="(a{1000}){1000}b"))
     with pytest.raises(ValueError, match="^stop:"):
         llm.generate(["x"], SamplingParams(stop=["]"], structured=StructuredOutputs(choice=["a]"])))
     with pytest.raises(ValueError, match="^stop_token_ids:"):
