@@ -10,7 +10,7 @@ On the 24 schemas of mixserve/data/schemas.py (each asked for through the model'
   8-15 in each arm (the constrained ones end first, so both are timed while 16 rows run);
 - speculation: the constrained requests one at a time with `--draft-model ngram` (speculation
   auto) against without, output tok/s;
-- the engine's own account: seconds filling masks per constrained row (llm_engine.grammar_mask_s).
+- the engine's own account: seconds filling masks per constrained row (GrammarSteps.mask_s).
 
     flock /tmp/heavy.lock python benchmarks/structured_cost.py --rounds 3 --out results/structured-cost.json
 """
@@ -99,7 +99,8 @@ def main() -> None:
         rounds.append(res)
     out["rounds"] = rounds
     out["median"] = {k: round(statistics.median(x[k] for x in rounds), 3) for k in rounds[0]}
-    out["mask_ms_per_constrained_row"] = round(1e3 * eng.grammar_mask_s / max(1, eng.grammar_mask_rows), 3)
+    gs = eng.grammar_steps
+    out["mask_ms_per_constrained_row"] = round(1e3 * gs.mask_s / max(1, gs.mask_rows), 3)
     print("median:", out["median"], "| mask fill per constrained row:", out["mask_ms_per_constrained_row"], "ms",
           flush=True)
     del llm, eng

@@ -182,12 +182,14 @@ class LLMEngine:
         self.sampler = Sampler()
         # structured output: constraints compiled per model and constraint, on the tokenizer's
         # view llguidance builds at the first constrained request (structured_output/compiler.py)
-        self.grammars = None
+        self.grammars = self.grammar_steps = None
         if self.tokenizer is not None:
             from mixserve.structured_output.compiler import GrammarCompiler
+            from mixserve.structured_output.steps import GrammarSteps
 
             self.grammars = GrammarCompiler(self.new_tokenizer, self.cfg.vocab_size, list(self.cfg.eos_token_ids),
                                             threads=max(1, torch.get_num_threads()))
+            self.grammar_steps = GrammarSteps(self.grammars, list(self.cfg.eos_token_ids))
         self.proposer = None
         if args.draft_model == "ngram":
             self.proposer = NgramProposer()
@@ -213,10 +215,7 @@ class LLMEngine:
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
-        # structured output: seconds spent filling grammar masks, and the rows they masked
-        self.grammar_mask_s = 0.0
-        self.grammar_mask_rows = 0
-        self._mask_pool = None  # the thread that fills a step's masks beside its forward
+
         self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling
         self.step_request_ids: list[str] | None = None  # requests the current/last step scheduled
         self._ids = itertools.count()
@@ -330,14 +329,7 @@ class LLMEngine:
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError(f"{params.structured.source}: this model has no tokenizer, so no grammar")
-            # ... from the start: a constraint that starts after a token (tool calls under auto)
-            # leaves the text before it free, where stop strings apply
-            for name in ("stop", "stop_token_ids"):
-                if getattr(params, name) and params.structured.after is None:
-                    raise ValueError(f"{name}: a stop string or token would cut a constrained output short of "
-                                     f"its grammar; give one or the other")
-            self.grammars.compile(params.structured)  # cached: add_request copies it
-            self.grammars.trigger_token(params.structured)
+            self.grammar_steps.check(params)  # compiled and cached: add_request copies it
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -383,9 +375,7 @@ class LLMEngine:
         seq = Sequence(request_id, text, ids, params)
         seq.cache_salt = cache_salt
         if params.structured is not None:
-            seq.grammar_trigger = self.grammars.trigger_token(params.structured)
-            if seq.grammar_trigger is None:
-                seq.matcher = self.grammars.matcher(params.structured)
+            self.grammar_steps.attach(seq)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.requests[request_id] = seq
@@ -601,19 +591,10 @@ class LLMEngine:
             self.controller.draft.record(len(decode), self.proposer.step_time)
         drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
-        for s in decode:  # structured output: a draft ends at its first token the grammar forbids
-            d, m = drafts[s.seq.seq_id], s.seq.matcher
-            if s.seq.grammar_trigger in d:  # ... and before a constraint's start: what follows is masked
-                cut = d.index(s.seq.grammar_trigger)
-                drafts[s.seq.seq_id] = d[:cut]
-                q = qs[s.seq.seq_id]
-                qs[s.seq.seq_id] = q[:cut] if q is not None else None
-            elif m is not None and d:
-                n = m.validate_tokens(d)
-                if n < len(d):
-                    drafts[s.seq.seq_id] = d[:n]
-                    q = qs[s.seq.seq_id]
-                    qs[s.seq.seq_id] = q[:n] if q is not None else None
+        if self.grammar_steps is not None:  # structured output: drafts the grammar forbids cut short
+            for s in decode:
+                sid = s.seq.seq_id
+                drafts[sid], qs[sid] = self.grammar_steps.cut_draft(s.seq, drafts[sid], qs[sid])
         items = []
         for s in sched.scheduled:
             d = drafts.get(s.seq.seq_id, [])
@@ -677,32 +658,12 @@ class LLMEngine:
         return outputs
 
     def _masks_beside_forward(self, items, by_id):
-        """Structured output: the grammar masks of this step's sampling rows, started now on a worker
-        thread (llguidance fills them without the GIL) so that they are computed while the forward
-        runs; a future of {seq_id: int32 mask row}, or None where no row is constrained. The
-        matchers do not move before sampling, so the masks are the step's."""
-        rows = [by_id[it.seq_id] for it in items if it.num_logits == 1 and by_id[it.seq_id].matcher is not None]
-        if not rows:
+        """Structured output: this step's constrained rows' masks, begun now beside the forward
+        (GrammarSteps.start); None where there are none."""
+        if self.grammar_steps is None:
             return None
-        from mixserve.structured_output import masks as grammar_masks
-
-        if self._mask_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mixserve-masks")
-        executor, vocab = self.grammars.executor, self.cfg.vocab_size
-
-        def fill():
-            t0 = time.perf_counter()
-            mask = grammar_masks.fill(executor, [(k, s.matcher, []) for k, s in enumerate(rows)], len(rows), vocab)
-            m = mask.numpy()  # numpy on this thread: a torch op here slows the engine's (masks.py)
-            for k, s in enumerate(rows):
-                m[k] &= self.grammars.row_mask(s.params.structured, s.matcher).numpy()
-            self.grammar_mask_s += time.perf_counter() - t0
-            self.grammar_mask_rows += len(rows)
-            return {s.seq_id: mask[k] for k, s in enumerate(rows)}
-
-        return self._mask_pool.submit(fill)
+        return self.grammar_steps.start([by_id[it.seq_id] for it in items
+                                         if it.num_logits == 1 and by_id[it.seq_id].matcher is not None])
 
     def _sampling_metadata(self, seqs: list[Sequence], extra: list[list[int]] | None = None,
                            ready=None) -> SamplingMetadata:
@@ -713,42 +674,16 @@ class LLMEngine:
         eos = self.cfg.eos_token_ids
         extra = extra or [[] for _ in seqs]
         masks = []
-        constrained = []
-        for i, (s, e) in enumerate(zip(seqs, extra)):
+        for s, e in zip(seqs, extra):
             p = s.params
             if s.matcher is not None:  # the grammar decides where it may end: no min_tokens
-                constrained.append((i, s.matcher, e))
                 masks.append([])
             elif s.num_output_tokens + len(e) < p.min_tokens:
                 masks.append(list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos)))
             else:
                 masks.append([])
-        token_mask = None
-        if constrained:
-            from mixserve.structured_output import masks as grammar_masks
-
-            done = ready.result() if ready is not None else {}
-            left = [(i, m, e) for i, m, e in constrained if e or seqs[i].seq_id not in done]
-            t0 = time.perf_counter()
-            token_mask = grammar_masks.fill(self.grammars.executor, left, len(seqs), self.cfg.vocab_size)
-            for i, m, e in left:  # the special tokens its grammar does not name (GrammarCompiler.row_mask)
-                token_mask[i] &= (self.grammars.row_mask(seqs[i].params.structured, m) if not e
-                                  else self.grammars.keep_mask(seqs[i].params.structured))
-            if left:
-                self.grammar_mask_s += time.perf_counter() - t0
-                self.grammar_mask_rows += len(left)
-            for i, _, e in constrained:
-                if not e and seqs[i].seq_id in done:
-                    token_mask[i] = done[seqs[i].seq_id]
-            for i, _, e in constrained:
-                if not bool(token_mask[i].any()):
-                    # nothing left (its text needs a special token's text): the row takes an end
-                    # token and _append_token ends it with the reason, instead of sampling from nothing
-                    # (NaN); at a draft's position the end token fails the grammar where it is reached
-                    if not e:
-                        seqs[i].grammar_stuck = True
-                    eos = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
-                    token_mask[i, eos // 32] = 1 << (eos % 32) if eos % 32 != 31 else -2**31
+        token_mask, constrained = (self.grammar_steps.masks(seqs, extra, ready) if self.grammar_steps is not None
+                                   else (None, []))
         return SamplingMetadata(
             params=[s.params for s in seqs],
             prompt_ids=[s.prompt_token_ids for s in seqs],
@@ -756,7 +691,7 @@ class LLMEngine:
             generators=[s.generator_at(s.num_tokens + len(e)) for s, e in zip(seqs, extra)],
             min_tokens_mask_ids=masks,
             token_mask=token_mask,
-            constrained_rows=[i for i, _, _ in constrained],
+            constrained_rows=constrained,
         )
 
     def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
@@ -774,23 +709,10 @@ class LLMEngine:
         # structured output: the matcher follows the output; a grammar that can go no further
         # ends the request below, after the token's text (ignore_eos or not)
         grammar_done = False
-        if seq.matcher is not None and seq.grammar_stuck:
-            reason, seq.stop_reason = "error", ("the grammar allows no token here: its text needs a special "
-                                                "token's text, which is not generated as text")
-        elif seq.matcher is not None:
-            if not seq.matcher.consume_token(tok):
-                # the grammar failed in a step (llguidance's limits: "Current row has N items"), or
-                # a masked row sampled a forbidden token: the request ends, with the reason
-                from mixserve.structured_output.spec import short_error
-
-                why = short_error(seq.matcher.get_error(), 300)
-                log.error("request %s: its grammar failed at token %d: %s", seq.request_id, tok, why)
-                reason, seq.stop_reason = "error", f"the grammar failed: {why}"
-            grammar_done = seq.matcher.is_stopped()
-        elif seq.grammar_trigger is not None and tok == seq.grammar_trigger:
-            # the constraint starts after this token: the next step is masked
-            seq.grammar_trigger = None
-            seq.matcher = self.grammars.matcher(p.structured)
+        if self.grammar_steps is not None and (seq.matcher is not None or seq.grammar_trigger is not None):
+            grammar_done, failed = self.grammar_steps.on_token(seq, tok)
+            if failed is not None:
+                reason, seq.stop_reason = "error", failed
         if reason is None and n_out >= p.min_tokens and (tok in p.stop_token_ids or not p.ignore_eos and tok in self.cfg.eos_token_ids):
             # an end or stop token is counted and has its logprob entry, but its text is not part of
             # the output (vLLM's detokenizer skips it too): it is never decoded
