@@ -215,7 +215,6 @@ class LLMEngine:
         self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
         self.requests: dict[str, Sequence] = {}
         self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
-
         self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling
         self.step_request_ids: list[str] | None = None  # requests the current/last step scheduled
         self._ids = itertools.count()
@@ -304,7 +303,8 @@ class LLMEngine:
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field ("prompt: ..." or "max_tokens: ...") if a request with
         prompt token ids `ids` and `params` can never be served. Reads only settings fixed at
-        construction, so another thread may call it while the engine steps (the server does)."""
+        construction, so another thread may call it while the engine steps (the server does); an
+        output constraint compiles here (GrammarCompiler is thread-safe and keeps it for add_request)."""
         if not ids:
             raise ValueError("prompt: must not be empty")
         if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:

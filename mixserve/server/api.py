@@ -34,8 +34,9 @@ from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, c
                                       empty_completion_logprobs, join_logprobs, prompt_logprobs)
 from mixserve.server.metrics import ServerMetrics
 from mixserve.server import tool_calls
-from mixserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_api_key,
-                                      field_error, parse_request, sampling_params, structured)
+from mixserve.server.protocol import (CONSTRAINT_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                      bad_request, check_api_key, field_error, parse_request, sampling_params,
+                                      structured)
 
 log = logging.getLogger("mixserve.server")
 
@@ -341,10 +342,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
         req = parse_request(kind, body)
         # an output constraint compiles first, on threads of its own, awaited here: a slow schema
         # must hold up neither the tokenizing thread nor a free request (which skips this)
+        planned = None
         if has_constraint(kind, req):
-            await asyncio.get_running_loop().run_in_executor(compile_pool, compile_constraint, kind, req)
+            planned = await asyncio.get_running_loop().run_in_executor(compile_pool, compile_constraint, kind, req)
         # tokenization and templating off the event loop: a long prompt must not stall other streams
-        job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req)
+        job = await asyncio.get_running_loop().run_in_executor(tokenize_pool, prepare, kind, req, planned)
         job.salt = request_salt(req, key_name)
         job.tag = request.headers.get(cfg.tag_header) or key_name or "serve"
         job.arrival_wall = arrival_wall
@@ -412,33 +414,35 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     app.state.drain = drain
 
     def has_constraint(kind: str, req) -> bool:
-        return (kind == "chat" and req.tools is not None) or any(
-            getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
-                                                  "guided_regex", "guided_choice", "guided_grammar"))
+        return (kind == "chat" and req.tools is not None) or any(getattr(req, f) is not None for f in CONSTRAINT_FIELDS)
 
-    def compile_constraint(kind: str, req) -> None:
-        """Compile the request's output constraint (response_format, structured_outputs, guided_*, or
-        its tools') into the engine's cache; prepare's check_request then finds it there. Raises
-        APIError(400) naming the field where it does not compile."""
-        if engine.grammars is None:
-            return
-        if kind == "chat" and req.tools is not None:
-            tools = tool_calls.plan(req, engine.grammars.lark_literal, engine.grammars.is_one_token)
-            spec = tools.constraint if tools is not None else None
-        else:
-            spec = structured(req)
-        if spec is not None:
+    def request_constraint(kind: str, req):
+        """(the chat request's ToolPlan or None, the output constraint or None): its tools', else its
+        response_format / structured_outputs / guided_*'s. Raises APIError(400) naming the field."""
+        tools = None
+        if kind == "chat":
+            tools = (tool_calls.plan(req, engine.grammars.lark_literal, engine.grammars.is_one_token)
+                     if engine.grammars is not None else tool_calls.plan(req))
+        return tools, tools.constraint if tools is not None else structured(req)
+
+    def compile_constraint(kind: str, req):
+        """request_constraint's pair, its constraint compiled into the engine's cache (check_request
+        then finds it there). Raises APIError(400) naming the field where it does not compile."""
+        tools, spec = request_constraint(kind, req)
+        if spec is not None and engine.grammars is not None:
             try:
                 engine.grammars.compile(spec)
             except ValueError as e:
                 raise bad_request(*field_error(req, e)) from None
+        return tools, spec
 
-    def prepare(kind: str, req) -> _Job:
+    def prepare(kind: str, req, planned=None) -> _Job:
         """Check everything and build the job: one engine request per prompt and sample.
 
         n > 1 runs n engine requests (seeds seed, seed+1, ... when a seed is given); samples after
         the first wait for its prefill and take its full prompt blocks from the prefix cache
-        (engine.add_request's share_prompt_with) instead of prefilling again.
+        (engine.add_request's share_prompt_with) instead of prefilling again. `planned`:
+        request_constraint's pair where compile_constraint made it already.
         """
         if req.model != cfg.served_model_name:
             raise bad_request("model", f"model: {req.model!r} is not served here; use {cfg.served_model_name!r}",
@@ -449,13 +453,11 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
             raise bad_request("seed", f"seed: must be an integer in [0, 2**63) (got {req.seed})")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options", "stream_options: only allowed with stream: true")
-        tools = None
+        tools, constraint = planned or request_constraint(kind, req)
         if kind == "completions":
             prompts = completion_prompts(req)
             logprobs = req.logprobs
         else:
-            tools = (tool_calls.plan(req, engine.grammars.lark_literal, engine.grammars.is_one_token)
-                     if engine.grammars is not None else tool_calls.plan(req))
             prompts = [chat_prompt(req, tools)]
             if req.top_logprobs is not None and not req.logprobs:
                 raise bad_request("top_logprobs", "top_logprobs: requires logprobs: true")
@@ -477,8 +479,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
                 # echo + logprobs: the prompt's own token logprobs too (prompt scoring); every
                 # sample of the prompt scores it in its own prefill (no shared prefill then)
                 scored = logprobs if kind == "completions" and req.echo and logprobs is not None else None
-                sp = (sampling_params(req, max_tokens, seed, logprobs, scored) if tools is None
-                      else sampling_params(req, max_tokens, seed, logprobs, scored, constraint=tools.constraint))
+                sp = sampling_params(req, max_tokens, seed, logprobs, scored, constraint=constraint)
                 try:
                     engine.check_request(ids, sp)
                 except ValueError as e:

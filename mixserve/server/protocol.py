@@ -180,6 +180,9 @@ def parse_request(kind: str, body) -> CompletionRequest | ChatCompletionRequest:
         raise bad_request(field, msg) from None
 
 
+# the request fields that constrain the output (at most one a request; tools apart)
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 # vLLM's StructuredOutputsParams fields served here, and the StructuredOutputs field each fills
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
                     "json_object": "json_object"}
@@ -193,8 +196,7 @@ def structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutp
     Raises APIError(400) naming the field: more than one of them, an unknown response_format
     type, a json_schema without its schema's object, a structured_outputs key not served, or a
     constraint StructuredOutputs refuses (its wrong type or JSON)."""
-    given = [f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                         "guided_grammar") if getattr(req, f) is not None]
+    given = [f for f in CONSTRAINT_FIELDS if getattr(req, f) is not None]
     if len(given) > 1:
         raise bad_request(given[1], f"{given[1]}: give one output constraint, not {' and '.join(given)}")
     if not given:

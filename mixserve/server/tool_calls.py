@@ -20,7 +20,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from mixserve.server.protocol import bad_request
+from mixserve.server.protocol import CONSTRAINT_FIELDS, bad_request
 from mixserve.structured_output import StructuredOutputs
 from mixserve.structured_output.tools import CLOSE, OPEN, call_constraint
 
@@ -90,8 +90,7 @@ def plan(req, literal=lambda text: json.dumps(text), one_token=lambda text: True
         if OPEN in text or CLOSE in text:  # the call's own tags inside it: the grammar cannot tell them apart
             raise bad_request("tools", f"tools[{i}].function.parameters: may not hold {OPEN} or {CLOSE}")
         fns[name] = params
-    for other in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar"):
+    for other in CONSTRAINT_FIELDS:
         if getattr(req, other, None) is not None:
             raise bad_request(other, f"{other}: give tools or an output constraint, not both")
     tc = req.tool_choice if req.tool_choice is not None else "auto"

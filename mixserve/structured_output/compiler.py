@@ -25,6 +25,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
+from mixserve.structured_output import masks
 from mixserve.structured_output.spec import StructuredOutputs, short_error
 
 log = logging.getLogger("mixserve")
@@ -84,9 +85,11 @@ class GrammarCompiler:
         self._executor = None
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._cache_bytes = 0
-        self._keep: dict[str, torch.Tensor] = {}  # dropped with their compiled grammar
         self.real_vocab = self.vocab_size  # the tokenizer's own vocabulary (view() sets it)
         self._special: list[tuple[int, str]] | None = None
+        ok = np.ones(self.vocab_size, dtype=bool)
+        ok[[i for i in self.eos_ids if 0 <= i < self.vocab_size]] = False
+        self._no_eos = masks.pack_np(ok)  # ANDed where a grammar cannot end yet (row_mask)
         old = threading.stack_size()
         threading.stack_size(STACK_BYTES)
         try:  # the pool's one thread is made now, with the large stack
@@ -131,7 +134,7 @@ class GrammarCompiler:
                 message), the grammar text is over MAX_GRAMMAR_BYTES, or the compile takes longer
                 than timeout_s.
         """
-        kept = getattr(spec, "_compiled", None)
+        kept = spec.__dict__.get("_compiled")
         if kept is not None and kept[0] is self:
             return kept[1]
         try:
@@ -149,15 +152,13 @@ class GrammarCompiler:
         # the grammar text too is made on the large stack (llguidance reads the schema there)
         fut = self._pool.submit(_build, view, spec)
         try:
-            m, err = fut.result(timeout=self.timeout_s)
+            m, first, err = fut.result(timeout=self.timeout_s)
         except FutureTimeout:
             # the worker thread runs on to llguidance's own limits; the next compile waits for it
             raise ValueError(f"{spec.source}: the grammar took over {self.timeout_s:g} s to compile") from None
         if err:
             raise ValueError(err if err.startswith(spec.source) else f"{spec.source}: {short_error(err)}")
         self.compile_times.append(time.perf_counter() - t0)
-        from mixserve.structured_output import masks
-
         named = {int(i) for i in _SPECIAL_REF.findall(spec.grammar or "")}
         if named & set(self.eos_ids):  # the engine ends a request at its end token: no grammar goes past one
             raise ValueError(f"{spec.source}: the grammar names an end token (<[{min(named & set(self.eos_ids))}]>); "
@@ -165,7 +166,6 @@ class GrammarCompiler:
         if any(i >= self.real_vocab for i in named):
             raise ValueError(f"{spec.source}: the grammar names token <[{max(named)}]>, past this vocabulary's "
                              f"{self.real_vocab} tokens (padding ids are never generated)")
-        first = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
         keep = self.row_mask(spec, m).numpy()
         if not bool((first[:len(keep)] & keep).any()):
             raise ValueError(f"{spec.source}: the grammar can start only with a special token's text (such as "
@@ -183,7 +183,6 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size or (self._cache_bytes > MAX_CACHE_BYTES and len(self._cache) > 1):
                 old_key, _ = self._cache.popitem(last=False)
                 self._cache_bytes -= len(old_key)
-                self._keep.pop(old_key, None)
         object.__setattr__(spec, "_compiled", (self, m))
         return m
 
@@ -219,11 +218,9 @@ class GrammarCompiler:
         (`<[id]>`, or a special token's text written bare, outside quotes). llguidance 1.9.1's mask
         lets a literal "<|im_end|>" through as the special token of that text, and then refuses to
         consume it; such text is then spelled with ordinary tokens."""
-        key = spec.key()
-        with self._lock:
-            hit = self._keep.get(key)
-        if hit is not None:
-            return hit
+        kept = spec.__dict__.get("_keep")
+        if kept is not None and kept[0] is self:
+            return kept[1]
         view = self.view()
         if self._special is None:
             self._special = [(i, view.decode_str([i])) for i in range(self.vocab_size)
@@ -241,9 +238,7 @@ class GrammarCompiler:
                 continue
             allowed[i] = False
         keep = torch.from_numpy(masks.pack_np(allowed))
-        with self._lock:
-            if key in self._cache:
-                self._keep[key] = keep
+        object.__setattr__(spec, "_keep", (self, keep))  # kept with the constraint, as its grammar
         return keep
 
     def row_mask(self, spec: StructuredOutputs, matcher) -> torch.Tensor:
@@ -251,17 +246,7 @@ class GrammarCompiler:
         end yet (a literal of EOS's text, as "<|im_end|>", otherwise lets EOS through, and the matcher
         then refuses it; llguidance 1.9.1)."""
         keep = self.keep_mask(spec)
-        if matcher.is_accepting():
-            return keep
-        with self._lock:
-            no_eos = self._no_eos = getattr(self, "_no_eos", None)
-        if no_eos is None:
-            from mixserve.structured_output import masks
-
-            ok = np.ones(self.vocab_size, dtype=bool)
-            ok[[i for i in self.eos_ids if 0 <= i < self.vocab_size]] = False
-            no_eos = self._no_eos = torch.from_numpy(masks.pack_np(ok))
-        return torch.from_numpy(keep.numpy() & no_eos.numpy())
+        return keep if matcher.is_accepting() else torch.from_numpy(keep.numpy() & self._no_eos)
 
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one sequence (its own state), at the grammar's start."""
@@ -269,23 +254,24 @@ class GrammarCompiler:
 
 
 def _build(view, spec: StructuredOutputs):
-    """(matcher, "") or (None, error message): a matcher at its start, its first mask computed, so
-    that a grammar whose lexer fails on the first step is refused here rather than in a step."""
+    """(matcher, its first mask as int32 [words], "") or (None, None, error message): a matcher at its
+    start, its first mask computed here, off the engine's thread, so that a grammar whose lexer
+    fails on the first step is refused here rather than in a step."""
     from llguidance import LLMatcher
 
     try:
         text = spec.grammar_text()
     except ValueError as e:
-        return None, str(e)
+        return None, None, str(e)
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
-        return None, f"the grammar is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are compiled"
+        return None, None, f"the grammar is {len(text.encode())} bytes; at most {MAX_GRAMMAR_BYTES} are compiled"
     try:
         m = LLMatcher(view, text, log_level=0)
     except Exception as e:  # noqa: BLE001 -- llguidance's message is the reason given
-        return None, str(e)
+        return None, None, str(e)
     if m.is_error():
-        return None, m.get_error()
-    m.compute_bitmask()  # builds the lexer's first states now, off the engine's thread
+        return None, None, m.get_error()
+    first = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
     if m.is_error():
-        return None, m.get_error()
-    return m, ""
+        return None, None, m.get_error()
+    return m, first, ""

@@ -17,9 +17,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def words(vocab_size: int) -> int:
     """int32 words per row's mask."""
     return (vocab_size + 31) // 32
@@ -66,16 +63,14 @@ def fill(executor, rows: list[tuple[int, object, list[int]]], num_rows: int, voc
 
 
 def allowed(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [R, vocab_size]: which tokens the int32 [R, W] bitmask allows (numpy's unpackbits: one
-    pass, ~10x the shift-and-mask ops on a 152k vocabulary)."""
-    m = np.ascontiguousarray(mask.cpu().numpy())
-    bits = np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(bits.view(bool))
+    """bool [R, vocab_size]: which tokens the int32 [R, W] bitmask allows."""
+    return torch.from_numpy(allowed_np(np.ascontiguousarray(mask.cpu().numpy()), vocab_size))
 
 
 def allowed_np(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """numpy: bool [vocab_size] of an int32 [W] bitmask."""
-    return np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+    """numpy: bool [..., vocab_size] of an int32 [..., W] bitmask (unpackbits: one pass, ~10x the
+    shift-and-mask ops on a 152k vocabulary)."""
+    return np.unpackbits(mask.view(np.uint8), axis=-1, bitorder="little")[..., :vocab_size].view(bool)
 
 
 def pack_np(allowed: np.ndarray) -> np.ndarray:
@@ -91,7 +86,7 @@ def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Te
     (fill's), rows: the constrained rows' indices."""
     if not rows:
         return logits
-    ok = allowed(mask[rows] if len(rows) != mask.shape[0] else mask, logits.shape[1]).to(logits.device)
+    ok = allowed(mask[rows], logits.shape[1]).to(logits.device)
     # torch.where against a tensor of -inf: half masked_fill's time here (0.22 against 0.51 ms a
     # 152k-token row on the Zen 5 EPYC, timed by hand)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):  # every row: one op

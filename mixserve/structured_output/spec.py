@@ -54,6 +54,11 @@ class StructuredOutputs:
         except RecursionError:
             raise ValueError(f"{self.source}: the schema is nested too deeply") from None
 
+    def __getstate__(self) -> dict:
+        # pickled (a replica's request) without what one process made of it: its key, its compiled
+        # grammar and masks (GrammarCompiler keeps them here; an llguidance matcher does not pickle)
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     def validate(self) -> None:
         """Raise ValueError naming `source` unless exactly one constraint of the right type is set."""
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
