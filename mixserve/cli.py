@@ -508,7 +508,20 @@ def cmd_plan(a) -> int:
     from mixserve.plan.simulator import SpecSettings
 
     # every flag is checked before the slower trace loading
-    slo = parse_slo(a.slo)
+    from mixserve.plan.planner import DEFAULT_SLO
+
+    slo = parse_slo(a.slo if a.slo is not None else (None if a.suggest else DEFAULT_SLO))
+    suggest_only = [f for f, v in (("--json", a.json), ("--quality", a.quality),
+                                    ("--max-ppl-increase", a.max_ppl_increase), ("--min-gain", a.min_gain))
+                    if v not in (None, False)]
+    if suggest_only and not a.suggest:
+        raise ValueError(f"{', '.join(suggest_only)}: only with --suggest")
+    if a.max_ppl_increase is not None and not 0 <= a.max_ppl_increase < float("inf"):
+        raise ValueError(f"max_ppl_increase: must be a finite perplexity increase >= 0 (got {a.max_ppl_increase})")
+    if a.min_gain is not None and not 0 <= a.min_gain < float("inf"):
+        raise ValueError(f"min_gain: must be a finite fraction >= 0 (got {a.min_gain})")
+    if a.suggest and a.target_rate is not None:
+        raise ValueError("target_rate: not with --suggest (it searches the replica counts of --replicas itself)")
     if a.measure and a.measure_requests < 1:
         raise ValueError(f"measure_requests: must be >= 1 (got {a.measure_requests})")
     if a.measure and a.measure_max_tokens < 2:
@@ -558,6 +571,9 @@ def cmd_plan(a) -> int:
         from mixserve.plan.cost_model import gguf_format
 
         gguf = gguf_format(r.path)
+    if a.suggest:
+        return _suggest(a, cfg, sm, hw, reqs, ps, r, gguf, measured if a.measure else
+                        ({"alpha": a.spec_alpha, "draft_cost": a.spec_draft_cost} if spec_given else None))
     plan, evals = make_plan(cfg, sm, hw, reqs, ps, spec, log=lambda m: print(m, file=sys.stderr), gguf=gguf,
                             replicas=replicas, routing=a.routing, target_rate=a.target_rate)
     plan["settings"].update(model=a.model, trace=a.trace, hardware=a.hardware)
@@ -570,6 +586,78 @@ def cmd_plan(a) -> int:
     paths = write_report(plan, evals, out)
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
+    """plan --suggest: search the engine's configurations, print the answer (plan/suggest.py)."""
+    from dataclasses import replace as dc_replace
+
+    from mixserve.models.loader import is_awq_folder
+    from mixserve.plan.measure import load_quality
+    from mixserve.plan.planner import parse_replicas
+    from mixserve.plan.suggest import (PLANNER_ERROR, CommandContext, Config, Drafter, Suggester,
+                                       available_formats, commands, format_suggestion, quality_format)
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    kind = "gguf" if resolved.kind == "gguf" else ("awq" if is_awq_folder(str(resolved.path)) else "hf")
+    quality = {}
+    for path in a.quality or []:
+        rep = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        quality[quality_format(rep) or "bf16"] = load_quality(path)  # load_quality names a bad file
+    fmts, why = available_formats(sm, kind, gguf, group_size=128, quality=quality, floor=a.max_ppl_increase)
+    notes = []
+    drafter = None
+    if spec is not None:
+        c = spec["draft_cost"]
+        drafter = Drafter(a.draft_model, min(float(spec["alpha"]), 0.999), 0.0 if c != c else float(c),
+                          "measured" if a.measure else "given")
+    else:
+        notes.append("speculation not searched: no acceptance rate (give --spec-alpha and --spec-draft-cost for "
+                     f"--draft-model {a.draft_model}, or --measure)")
+    # the context limit planned is one the model takes
+    mml = min(ps.max_model_len, cfg.max_position_embeddings or ps.max_model_len)
+    ps = dc_replace(ps, max_model_len=mml)
+    sug = Suggester(cfg, sm, hw, reqs, ps, fmts, drafter=drafter,
+                    replicas=parse_replicas(a.replicas) if a.replicas else None, exclusions=why, model_kind=kind,
+                    min_gain=PLANNER_ERROR if a.min_gain is None else a.min_gain, log=log)
+    log(f"searching configurations for {len(reqs)} requests of {a.trace} ...")
+    res = sug.run()
+    res.notes += notes
+    w, dw = res.best["config"]["weights"], res.default["config"]["weights"]
+    if w not in (dw, "bf16") and w not in quality:
+        res.notes.append(f"{w}'s quality is not measured for this model: check it before serving it (mixserve eval-ppl "
+                         "with --baseline, then --quality FILE --max-ppl-increase X here)")
+    dtype = (sm.profile.get("dtype") if hasattr(sm, "profile") else None) or None
+    ctx = CommandContext(model=a.model, trace=a.trace, num_prompts=a.num_prompts, seed=a.seed,
+                         output_len_cap=a.output_len_cap, max_prompt_len=a.max_prompt_len,
+                         conversations_at_once=a.conversations_at_once,
+                         dtype=dtype if dtype in ("bfloat16", "float32") else None,
+                         kv_cache_memory=a.kv_cache_memory or _bytes_flag(sug._kv_bytes()), max_model_len=mml,
+                         slo=ps.slo, model_kind=kind)
+    for part in [res.best, res.default]:
+        c = part["config"]
+        conf = Config(c["weights"], c["allocator"], c["prefix_caching"], c["max_num_seqs"],
+                      c["max_num_batched_tokens"], (c["speculation"], c["num_speculative_tokens"]), c["replicas"])
+        part["commands"] = commands(conf, ctx, drafter, part["predicted"].get("goodput_requests_per_s"))
+        part["serve_command"], part["bench_command"] = part["commands"]["serve"], part["commands"]["bench"]
+    res.settings.update(model=a.model, trace=a.trace, hardware=a.hardware, num_requests=len(reqs))
+    if a.json:
+        print(json.dumps(res.as_json(), indent=1, allow_nan=False))
+    else:
+        print(format_suggestion(res))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res.as_json(), indent=1, allow_nan=False))
+        log(f"wrote {a.out}")
+    return 0
+
+
+def _bytes_flag(n: int) -> str:
+    """Bytes as a --kv-cache-memory value: 1GiB, 512MiB, else the number."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def _measure_spec(a) -> dict:
@@ -670,6 +758,19 @@ def cmd_mix_sample(a) -> int:
 
 
 def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    # OSError: any path given on the command line (an --out that is a folder, no permission), not
+    # only a missing one, is the user's to fix: a message naming it, not a traceback
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"mixserve {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `mixserve` command line: every subcommand and flag (also what checks a command line
+    that `plan --suggest` prints)."""
     ap = argparse.ArgumentParser(prog="mixserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -827,11 +928,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder (config and tokenizer)")
     p.add_argument("--hardware", required=True, help="a `hw probe` profile JSON, or h100-sxm | h200 | a100-80gb | l4 "
                                                      "(datasheet roofline, not measured here)")
-    p.add_argument("--slo", default="ttft_p99=2s,tpot_p99=200ms",
-                   help="percentile limits of the whole run (default ttft_p99=2s,tpot_p99=200ms)")
+    p.add_argument("--slo", default=None,
+                   help="percentile limits of the whole run (default ttft_p99=2s,tpot_p99=200ms; with --suggest none: "
+                        "the objective is then output throughput)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache size (default: memory left after weights on a datasheet device, else 1GiB)")
-    p.add_argument("--out", default=None, help="report folder (default results/plan-*)")
+    p.add_argument("--out", default=None, help="report folder (default results/plan-*); with --suggest a JSON file")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="first N requests (default: a whole trace file, 200 ShareGPT requests, all of HumanEval)")
     p.add_argument("--seed", type=int, default=0)
@@ -871,6 +973,22 @@ def main(argv=None) -> int:
     p.add_argument("--route-blocks", type=int, default=4, help="with --replicas: KV blocks of the prompt its route keys cover")
     p.add_argument("--target-rate", type=float, default=None,
                    help="with --replicas: requests/s to serve; the plan names the fewest replicas meeting the SLO")
+    g = p.add_argument_group("--suggest: choose the engine's flags for this mix (plan/suggest.py)")
+    g.add_argument("--suggest", action="store_true",
+                   help="search weight format, allocator, --max-num-seqs, --max-num-batched-tokens, prefix caching, "
+                        "speculation (with --spec-alpha or --measure) and --replicas' counts by simulation; print the "
+                        "best configuration as serve and bench command lines, its predictions, the runners-up and "
+                        "the default's. Objective: goodput under --slo when given, else output tokens/s")
+    g.add_argument("--json", action="store_true", help="with --suggest: one JSON document on stdout (logs on stderr)")
+    g.add_argument("--quality", action="append", default=None, metavar="FILE",
+                   help="with --suggest: an eval-ppl report made with --baseline (the bf16 or dequantized run); its "
+                        "format (int4 rtn/awq, native GGUF) is read from the report. May be repeated")
+    g.add_argument("--max-ppl-increase", type=float, default=None, metavar="X",
+                   help="with --suggest: the quality floor, the most perplexity may rise on any slice of a --quality "
+                        "report; formats over it, or without a report, are not suggested")
+    g.add_argument("--min-gain", type=float, default=None,
+                   help="with --suggest: the least predicted gain over the default worth a change (default 0.15, the "
+                        "planner's measured error against the engine)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("mix", help="traffic mixes: describe a trace or data set, sample a trace")
@@ -912,15 +1030,7 @@ def main(argv=None) -> int:
     q.add_argument("--max-prompt-len", type=int, default=1024)
     q.add_argument("--out", required=True, help="trace path (.jsonl)")
     q.set_defaults(fn=cmd_mix_sample)
-
-    a = ap.parse_args(argv)
-    try:
-        return a.fn(a)
-    # OSError: any path given on the command line (an --out that is a folder, no permission), not
-    # only a missing one, is the user's to fix: a message naming it, not a traceback
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"mixserve {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    return ap
 
 
 def entry() -> int:

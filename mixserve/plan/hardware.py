@@ -26,7 +26,7 @@ import torch
 
 from mixserve.device import move_module, resolve_device, synchronize
 from mixserve.models.config import ModelConfig
-from mixserve.plan.cost_model import linear_shapes
+from mixserve.plan.cost_model import BF16, WeightFormat, gguf_format, linear_shapes
 from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch, StepModel
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -390,23 +390,41 @@ def fit_overhead(decode: list[dict], prefill: list[dict]) -> list[float]:
     return [a, b, max(0.0, statistics.median(per_token)) if per_token else 0.0]
 
 
-def overhead_engine(model: str, dtype, device="cpu"):
-    """The engine `probe_overhead` steps (its own kernel choices, a 256 MiB cache)."""
+def overhead_engine(model: str, dtype, device="cpu", gguf_weights: str | None = None, context: int | None = None):
+    """The engine `probe_overhead` steps (its own kernel choices, a 256 MiB cache); gguf_weights as
+    EngineArgs' (a GGUF model: "native" where its tables were timed, else "dequantize", so that the
+    steps run the weights whose tables predict them). context: the model's context length, when
+    under the engine's 2048 tokens here."""
     from mixserve.engine.args import EngineArgs
     from mixserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory="256MiB", progress=False,
-                                max_num_batched_tokens=4096, max_model_len=2048, device=str(device)))
+                                max_num_batched_tokens=4096, max_model_len=min(2048, context or 2048),
+                                device=str(device),
+                                gguf_weights=gguf_weights))
+
+
+def engine_format(model, gguf_path=None) -> WeightFormat:
+    """The WeightFormat an engine's model runs: "gguf" (cost_model.gguf_format of `gguf_path`) when
+    its linears are native GGUF ones, else bf16 (the dense tables; an int4 engine is not probed)."""
+    from mixserve.layers.gguf_linear import GGUFLinear
+
+    if gguf_path is not None and any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return gguf_format(gguf_path)
+    return BF16
 
 
 def live_linear_seconds(model, rows: int, repeats: int) -> float:
     """Median seconds of one pass of `rows` random rows through every linear of `model` (an
     engine's, all layers then the LM head, in module order), as a decode step streams them: the
     machine's linear speed at this moment, for `probe_overhead`'s drift correction."""
+    from mixserve.layers.gguf_linear import GGUFLinear
     from mixserve.layers.linear import DenseLinear, Int4Linear
 
-    lins = [m for m in model.modules() if isinstance(m, (DenseLinear, Int4Linear))]
-    device = model.embed_tokens.weight.device
+    # native GGUF linears too: the default for a GGUF model, whose embedding has no `.weight`
+    lins = [m for m in model.modules() if isinstance(m, (DenseLinear, Int4Linear, GGUFLinear))]
+    device = next(iter(model.buffers()), None)
+    device = device.device if device is not None else next(model.parameters()).device
     xs = {k: torch.randn(rows, k, device=device).to(model.dtype) for k in {m.in_features for m in lins}}
 
     def one():
@@ -418,13 +436,13 @@ def live_linear_seconds(model, rows: int, repeats: int) -> float:
 
 def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
                    decode_batches: tuple[int, ...] = OVERHEAD_DECODE_BATCHES, engine=None,
-                   reference: dict | None = None) -> dict:
+                   reference: dict | None = None, fmt: WeightFormat = BF16) -> dict:
     """Real engine steps minus the linear + attention time `partial` predicts for them.
 
     Decode batches of `decode_batches` rows (32-token prompts, the median of `repeats` steps each)
     give a + b * seqs: in a decode step the matmuls are small, so the residual is mostly the
     per-step and per-sequence work (scheduling, batch preparation, norms, RoPE, sampling, output
-    handling). Prefills of 32 and 256 tokens then give c (per token) from what is left after
+    handling). Prefills of 32 and 256 tokens (at most half the context) then give c (per token) from what is left after
     a + b. Prefill residuals are not used for a and b: there the matmul time is tens of times
     the overhead, so their residual is mostly the linear tables' own error, and one such point
     once pulled the per-step constant from 25 ms to 9 ms and invented a per-sequence term.
@@ -432,13 +450,18 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
     percent over minutes, as much as the 1-row overhead itself. With `reference` ({rows: seconds
     of `live_linear_seconds` on `engine`'s model, timed right after the tables}), each decode
     point's predicted linear time is scaled by the same timing repeated right after its steps.
-    Returns {"points", "fit": [a, b, c] seconds, "terms"}."""
+    fmt: the weights the engine runs (engine_format): its steps are predicted from that format's
+    tables (a native GGUF engine's steps from the bf16 tables once left a negative residual).
+    Returns {"points", "fit": [a, b, c] seconds, "terms", "format"}."""
     from mixserve.sampling_params import SamplingParams
 
     eng = engine or overhead_engine(model, dtype)
     sm = MeasuredModel(eng.cfg, {**partial, "overhead": {"fit": [0.0, 0.0, 0.0]}})
     pts = []
-    sp = SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0.0)
+    # a short-context model (a test's) gets shorter prefills and budgets within its context
+    big = min(256, eng.max_model_len // 2)
+    sp = SamplingParams(max_tokens=max(repeats + 2, min(1500, eng.max_model_len - big - 1)), ignore_eos=True,
+                        temperature=0.0)
     rng = torch.Generator().manual_seed(0)
 
     def ids(n):
@@ -453,7 +476,7 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
             t0 = time.perf_counter()
             eng.step()
             ts.append(time.perf_counter() - t0)
-            pred.append(sm.breakdown(StepBatch(ctx, [], b)))
+            pred.append(sm.breakdown(StepBatch(ctx, [], b), fmt))
             ctx = [c + 1 for c in ctx]
         lin = statistics.median(p["linear"] + p["lm_head"] for p in pred[1:])
         attn = statistics.median(p["attention"] for p in pred[1:])
@@ -465,17 +488,17 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
         for r in rids:
             eng.abort(r)
     pre = []
-    for n in (32, 256) * (repeats + 1):  # the first of each shape pays for oneDNN's primitive setup
+    for n in (32, big) * (repeats + 1):  # the first of each shape pays for oneDNN's primitive setup
         rid = eng.add_request(ids(n), sp)
         t0 = time.perf_counter()
         eng.step()
         t = time.perf_counter() - t0
         eng.abort(rid)
         pre.append({"seqs": 1, "tokens": n, "seconds": t,
-                    "predicted_compute": sm.step_time(StepBatch([], [(n, n)], 1))})
+                    "predicted_compute": sm.step_time(StepBatch([], [(n, n)], 1), fmt)})
     pre = pre[2:]
     fit = fit_overhead(pts, pre)
-    for n in (32, 256):  # report the median prefill of each shape
+    for n in (32, big):  # report the median prefill of each shape
         ps = sorted((p for p in pre if p["tokens"] == n), key=lambda p: p["seconds"])
         pts.append(ps[len(ps) // 2])
     for p in pts:
@@ -483,7 +506,7 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
             f"linear+attention predict {p['predicted_compute'] * 1e3:.2f} ms"
             + (f" (linears x{p['drift']:.3f}: the machine's speed since the tables)" if "drift" in p else ""))
     log(f"  overhead fit a={fit[0] * 1e3:.3f}ms b={fit[1] * 1e3:.3f}ms/seq c={fit[2] * 1e6:.2f}us/token")
-    return {"points": pts, "fit": fit, "terms": ["1", "seqs", "tokens"]}
+    return {"points": pts, "fit": fit, "terms": ["1", "seqs", "tokens"], "format": fmt.name}
 
 
 def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = ("bf16", "int4"),
@@ -548,7 +571,11 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     if engine_steps:
         # the engine steps come minutes after the tables: the same linears timed through the
         # engine now and again then measure the host's drift between the two (probe_overhead)
-        eng = overhead_engine(model, dtype, dev)
+        # a GGUF model's steps run native only where its gguf tables were timed to predict them
+        gguf_path = r.path if r.kind == "gguf" else None
+        eng = overhead_engine(model, dtype, dev, gguf_weights=None if gguf_path is None or gpu else
+                              ("native" if "gguf" in formats else "dequantize"), context=cfg.max_position_embeddings)
+        eng_fmt = engine_format(eng.model, gguf_path)
         reference = {b: live_linear_seconds(eng.model, b, repeats) for b in OVERHEAD_DECODE_BATCHES}
     prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser, device=dev)
     prof["kernels"] = {"amx": amx, "threads": torch.get_num_threads(),
@@ -558,7 +585,8 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     for line in chooser.describe():
         log(f"    {line}")
     if engine_steps:
-        prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log, engine=eng, reference=reference)
+        prof["overhead"] = probe_overhead(model, dtype, prof, repeats, log=log, engine=eng, reference=reference,
+                                          fmt=eng_fmt)
         del eng
     else:
         prof["overhead"] = {"points": [], "fit": [0.0, 0.0, 0.0], "terms": ["1", "seqs", "tokens"],

@@ -1,0 +1,673 @@
+"""`mixserve plan --suggest`: the engine configuration for one traffic mix, one machine and an SLO,
+chosen by the planner's simulator (simulator.py over the engine's own scheduler, with the step
+times of a `hw probe` profile) instead of read off a ranking by the user.
+
+The space is what the engine's flags offer: the weight format (bf16, the GGUF file's tensors as
+stored, int4 RTN or AWQ), the KV allocator, `--max-num-seqs`, `--max-num-batched-tokens` (the
+prefill chunk budget), prefix caching, speculation (off, or one drafter with a fixed k, or `auto`)
+and, when asked, replicas. It is searched by coordinate descent from the engine's default: each
+dimension's values tried with the others held, the best kept, until a pass changes nothing (the
+dimensions interact little: the format moves every step's time, the batch limits trade TTFT for
+throughput, speculation pays at low batch), so a search simulates tens of configurations, not the
+thousands of the full grid. Each configuration is one offline run (every request at t = 0, as
+`mixserve bench` runs) and, with an SLO, a bisection for the highest Poisson rate that meets it.
+
+Objective: goodput under the SLO when one is given (the highest request rate whose TTFT / TPOT
+percentiles stay within it, DistServe's definition; Zhong et al., OSDI 2024, section 2), else
+output tokens/s. A configuration other than the default is suggested only when its predicted gain
+is over `min_gain` (the planner's own measured error: PLANNER_ERROR); otherwise the answer is that
+the default is best, with the reason.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field, replace
+
+from mixserve.models.config import ModelConfig
+from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token
+from mixserve.plan.planner import PlanSettings, Planner, Variant
+from mixserve.plan.simulator import SimRequest, SpecSettings
+from mixserve.plan.step_time import MeasuredModel, StepModel
+
+# The planner's error against the engine's own runs: output throughput, TTFT p50 and TPOT p50
+# within 15% on four traces (BENCHMARKS.md, "plan_vs_engine"); a predicted gain smaller than this
+# is not a gain the planner can claim.
+PLANNER_ERROR = 0.15
+
+FORMATS = ("bf16", "gguf", "int4-rtn", "int4-awq")
+SEQS = (4, 8, 16, 32, 64, 128, 256)
+BATCHED_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
+SPEC_KS = (1, 2, 4, 8)
+DIMENSIONS = ("weights", "prefix_caching", "allocator", "max_num_seqs", "max_num_batched_tokens",
+              "speculation", "replicas")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One engine configuration, in the engine's own terms (EngineArgs / CLI flags).
+
+    weights: "bf16" (dense in bfloat16; a GGUF dequantized), "gguf" (a GGUF's tensors as stored,
+        run natively), "int4-rtn" (round-to-nearest at load), "int4-awq" (an AWQ checkpoint made
+        first by `mixserve quantize`). allocator: "paged" or "contiguous" (reserve max-tokens).
+    speculation: ("off", 0), ("fixed", k) or ("auto", k_max), with the Suggester's one drafter.
+    """
+
+    weights: str = "bf16"
+    allocator: str = "paged"
+    prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    speculation: tuple[str, int] = ("off", 0)
+    replicas: int = 1
+
+    def describe(self) -> str:
+        spec = "no speculation" if self.speculation[0] == "off" else (
+            f"speculation {self.speculation[0]} k{'<=' if self.speculation[0] == 'auto' else '='}"
+            f"{self.speculation[1]}")
+        parts = [self.weights, self.allocator, f"prefix caching {'on' if self.prefix_caching else 'off'}",
+                 f"max-num-seqs {self.max_num_seqs}", f"max-num-batched-tokens {self.max_num_batched_tokens}", spec]
+        if self.replicas > 1:
+            parts.append(f"{self.replicas} replicas")
+        return ", ".join(parts)
+
+    def differences(self, other: "Config") -> list[str]:
+        """The settings of self that differ from `other`, as "name value" phrases."""
+        out = []
+        for d in DIMENSIONS:
+            a, b = getattr(self, d), getattr(other, d)
+            if a != b:
+                if d == "speculation":
+                    out.append("no speculation" if a[0] == "off" else f"speculation {a[0]} k {a[1]}")
+                elif d == "prefix_caching":
+                    out.append(f"prefix caching {'on' if a else 'off'}")
+                else:
+                    out.append(f"{d.replace('_', '-')} {a}")
+        return out
+
+
+@dataclass
+class Drafter:
+    """The speculation the search may use: a draft model name (or "ngram") with its measured or
+    given per-token acceptance rate alpha and cost c (a draft step over a target step, the
+    paper's section 3.4). None of it measured: speculation is left out of the search."""
+
+    name: str
+    alpha: float
+    cost: float
+    source: str = "given"
+
+
+@dataclass
+class Suggestion:
+    """What `plan --suggest` answers (as_json gives the --json document)."""
+
+    best: dict
+    default: dict
+    runners_up: list
+    excluded: list
+    verdict: str
+    slo_met: bool
+    configurations_simulated: int
+    search_seconds: float
+    notes: list = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        """The --json document: plain JSON (a non-finite number, e.g. an infinite gain, is null)."""
+        return _finite({"best": self.best, "default": self.default, "runners_up": self.runners_up,
+                "excluded": self.excluded, "verdict": self.verdict, "slo_met": self.slo_met,
+                "configurations_simulated": self.configurations_simulated,
+                "search_seconds": self.search_seconds, "notes": self.notes, "settings": self.settings})
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def quality_format(report: dict) -> str | None:
+    """Which weight format an eval-ppl report measured (its "quantization", "gguf_weights" and
+    "weights" fields): "int4-rtn", "int4-awq", "gguf" (native GGUF), "bf16", or None."""
+    q = report.get("quantization")
+    if q in ("rtn", "awq"):
+        return f"int4-{q}"
+    w = str(report.get("weights") or "")
+    if "AWQ" in w or "awq" in w:
+        return "int4-awq"
+    if report.get("gguf_weights") == "native" or w.startswith("GGUF weights native"):
+        return "gguf"
+    return "bf16"
+
+
+def quality_violations(deltas: dict, floor: float) -> list[str]:
+    """Slices of an eval-ppl comparison (plan/measure.load_quality's {slice: {"delta", ...}})
+    whose perplexity increase is over `floor` (absolute perplexity), as "slice +delta" strings."""
+    return [f"{name} +{d['delta']:.3f}" for name, d in sorted(deltas.items()) if d["delta"] > floor]
+
+
+class Suggester:
+    """Searches the engine's configurations for one trace (`reqs`, SimRequests) on one step model.
+
+    Args: cfg, sm (a MeasuredModel or RooflineModel), hw (load_step_model's description), reqs,
+    ps (PlanSettings: block size, KV budget, SLO, seed, bisection steps; its batch limits are the
+    default configuration's), formats ({format name: WeightFormat} the profile can time), drafter
+    (Drafter or None), replicas (counts to try, [1] by default), exclusions ({format: reason} for
+    formats left out, e.g. by the quality floor), model_kind ("gguf", "hf" or "awq": what the
+    default loads), min_gain (fraction), search_bisect_iters and search_requests (the search's
+    bisection steps and trace prefix; None: the whole trace). Raises ValueError for an empty trace
+    or no format.
+    """
+
+    def __init__(self, cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings,
+                 formats: dict[str, WeightFormat], drafter: Drafter | None = None, replicas: list[int] | None = None,
+                 exclusions: dict[str, str] | None = None, model_kind: str = "hf", min_gain: float = PLANNER_ERROR,
+                 search_bisect_iters: int = 4, search_requests: int | None = 64, log=print):
+        if not reqs:
+            raise ValueError("trace: no requests")
+        if not formats:
+            raise ValueError("weights: no format left to plan (see the exclusions)")
+        if not (0 <= min_gain < math.inf):
+            raise ValueError(f"min_gain: must be a finite fraction >= 0 (got {min_gain})")
+        self.cfg, self.sm, self.hw, self.reqs, self.ps = cfg, sm, hw, reqs, ps
+        self.formats, self.drafter = formats, drafter
+        self.replicas = sorted(set(replicas or [1]))
+        self.exclusions = dict(exclusions or {})
+        self.min_gain, self.log = min_gain, log
+        self.search_iters = max(1, min(search_bisect_iters, ps.bisect_iters))
+        self.final_iters = ps.bisect_iters
+        # the search simulates a prefix of the trace (a closed-loop turn only follows an earlier
+        # request, so a prefix keeps every link); the default and the best are then run whole
+        self.search_reqs = reqs[:search_requests] if search_requests else reqs
+        self.step = 0.03  # a candidate must meet the SLO 3% above the incumbent's goodput to replace it
+        self.cache: dict[tuple[Config, bool], dict] = {}  # (config, on the whole trace) -> evaluate()
+        self.simulations = 0
+        self.default = self.default_config(model_kind)
+        self.mean_output = sum(r.output_tokens for r in reqs) / len(reqs)
+
+    # the space ------------------------------------------------------------------------------
+    def default_config(self, model_kind: str) -> Config:
+        """What `mixserve serve --model M` runs with no other flag: a GGUF natively where the
+        profile times it (the engine's default where the kernel exists), an AWQ checkpoint as
+        int4, else bf16; paged, prefix caching on, the settings' batch limits, no speculation."""
+        if model_kind == "gguf" and "gguf" in self.formats:
+            w = "gguf"
+        elif model_kind == "awq" and "int4-awq" in self.formats:
+            w = "int4-awq"
+        else:
+            w = "bf16" if "bf16" in self.formats else next(iter(self.formats))
+        return Config(weights=w, max_num_seqs=self.ps.max_num_seqs,
+                      max_num_batched_tokens=self.ps.max_num_batched_tokens)
+
+    def values(self, dim: str, at: Config) -> list:
+        """The values dimension `dim` may take with the rest of `at` held (combinations the
+        engine refuses are not offered: a draft model with the contiguous allocator, prefix
+        caching with it)."""
+        if dim == "weights":
+            return list(self.formats)
+        if dim == "prefix_caching":
+            return [True, False] if at.allocator == "paged" else [False]
+        if dim == "allocator":
+            draft_model = self.drafter is not None and self.drafter.name != "ngram" and at.speculation[0] != "off"
+            return ["paged"] if draft_model else ["paged", "contiguous"]
+        if dim == "max_num_seqs":
+            return sorted({v for v in SEQS if v <= max(4, len(self.reqs))} | {self.default.max_num_seqs})
+        if dim == "max_num_batched_tokens":
+            return sorted(set(BATCHED_TOKENS) | {self.default.max_num_batched_tokens})
+        if dim == "speculation":
+            if self.drafter is None:
+                return [("off", 0)]
+            if at.allocator == "contiguous" and self.drafter.name != "ngram":
+                return [("off", 0)]
+            return [("off", 0)] + [("fixed", k) for k in SPEC_KS] + [("auto", max(SPEC_KS))]
+        if dim == "replicas":
+            return [n for n in self.replicas if n <= len(self.reqs)] or [1]
+        raise ValueError(f"unknown dimension {dim!r}")
+
+    def normalized(self, c: Config) -> Config:
+        """A configuration the engine would run as given: prefix caching off with the contiguous
+        allocator (it cannot share blocks), no draft model beside it."""
+        if c.allocator == "contiguous":
+            c = replace(c, prefix_caching=False)
+            if self.drafter is not None and self.drafter.name != "ngram":
+                c = replace(c, speculation=("off", 0))
+        return c
+
+    # one configuration ----------------------------------------------------------------------
+    def variant(self, c: Config) -> Variant:
+        spec = None
+        if c.speculation[0] != "off" and self.drafter is not None:
+            spec = SpecSettings(self.drafter.alpha, c.speculation[1], self.drafter.cost, c.speculation[0])
+        return Variant(c.describe(), fmt=self.formats[c.weights], allocator=c.allocator, reserve="max-tokens",
+                       spec=spec, prefix_caching=c.prefix_caching, replicas=c.replicas)
+
+    def evaluate(self, c: Config, final: bool = False, floor_rate: float | None = None) -> dict:
+        """Predicted figures of `c` (memoized): offline throughput, TTFT / TPOT percentiles and KV
+        use; with an SLO the goodput (the highest Poisson rate whose percentiles meet it) and the
+        figures at that rate. The search runs on the trace's first `search_requests` requests and
+        a short bisection; `final` on the whole trace. floor_rate: the rate `c` must meet the SLO at
+        to matter (the incumbent's goodput, a little over): below its capacity, or missing the SLO
+        there, it is `pruned` with that reason after one or two simulations instead of a whole
+        bisection. When even the lowest rate tried (capacity / 64, nearly unloaded) misses the SLO,
+        `slo_miss` says by how much."""
+        key = (c, final)
+        old = self.cache.get(key)
+        if old is not None and not (old.get("pruned") and floor_rate is not None and floor_rate < old["floor_rate"]):
+            return old
+        reqs = self.reqs if final else self.search_reqs
+        ps = replace(self.ps, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
+        pl = Planner(self.cfg, self.sm, self.hw, reqs, ps)
+        v = self.variant(c)
+        off = pl.run(v, reqs=[replace(r, arrival_s=0.0) for r in reqs])
+        self.simulations += 1
+        kv_tok = kv_bytes_per_token(self.cfg)
+        rep = off.report
+        out = {"config": c, "final": final, "requests": len(reqs), "fits": len(off.rejected) < len(reqs),
+               "rejected": len(off.rejected), "throughput_output_tokens_per_s": rep["output_tokens_per_s"],
+               "requests_per_s": rep["requests_per_s"],
+               "offline": {k: {p: rep[k][p] for p in ("p50", "p90", "p99")} for k in ("ttft_s", "tpot_s")},
+               "kv_blocks": pl.sim_config(v).num_blocks,
+               "kv_peak_bytes": off.peak_kv_blocks * ps.block_size * kv_tok,
+               "preemptions": off.num_preemptions, "prefix_hit_rate": off.prefix_hit_rate}
+        if self.ps.slo and out["fits"]:
+            out.update(self._goodput(pl, v, off, reqs, floor_rate, iters=self.final_iters if final else self.search_iters))
+        self.cache[key] = out
+        return out
+
+    def _goodput(self, pl: Planner, v: Variant, off, reqs, floor_rate: float | None, iters: int) -> dict:
+        """Bisection for the highest rate meeting the SLO, in [floor_rate or capacity / 64, capacity]
+        (above capacity a long stream queues without bound: Planner.max_rate's rule)."""
+        cap = off.report["requests_per_s"]
+        kv_tok = kv_bytes_per_token(self.cfg)
+        mean_out = sum(r.output_tokens for r in reqs) / len(reqs)
+
+        def run(rate):
+            self.simulations += 1
+            res = pl.run(v, rate)
+            return res, pl.meets_slo(res)
+
+        def found(rate, res, limit):
+            return {"goodput_requests_per_s": rate, "goodput_output_tokens_per_s": rate * mean_out,
+                    "rate_limit": limit,
+                    "at_rate": {k: {p: res.report[k][p] for p in ("p50", "p90", "p99")} for k in ("ttft_s", "tpot_s")},
+                    "kv_peak_bytes_at_rate": res.peak_kv_blocks * pl.ps.block_size * kv_tok}
+
+        if floor_rate is not None:
+            if cap < floor_rate:
+                return {"pruned": f"its capacity ({cap:.3g} req/s) is under the goodput to beat ({floor_rate:.3g})",
+                        "floor_rate": floor_rate, "goodput_requests_per_s": 0.0}
+            lo = floor_rate
+            lo_res, ok = run(lo)
+            if not ok:
+                return {"pruned": f"misses the SLO at {floor_rate:.3g} req/s, a rate the suggestion meets",
+                        "floor_rate": floor_rate, "goodput_requests_per_s": 0.0}
+        else:
+            lo = cap / 64
+            lo_res, ok = run(lo)
+            if not ok:
+                return {"goodput_requests_per_s": 0.0, "rate_limit": "unloaded",
+                        "slo_miss": self.slo_miss(lo_res.report)}
+        hi_res, ok = run(cap)
+        if ok:
+            return found(cap, hi_res, "capacity")
+        hi = cap
+        for _ in range(iters):
+            mid = math.sqrt(lo * hi)
+            res, ok = run(mid)
+            if ok:
+                lo, lo_res = mid, res
+            else:
+                hi = mid
+        return found(lo, lo_res, "slo")
+
+    def slo_miss(self, report: dict) -> dict:
+        """The SLO measure furthest over its limit in `report`: {"measure", "predicted_s",
+        "limit_s", "over_x"} (over_x: predicted / limit)."""
+        worst = None
+        for key, limit in self.ps.slo.items():
+            metric, pct = key.split("_")
+            v = report[f"{metric}_s"][pct]
+            x = v / limit if v == v else math.inf
+            if worst is None or x > worst["over_x"]:
+                worst = {"measure": key, "predicted_s": v, "limit_s": limit, "over_x": x}
+        return worst
+
+    def score(self, e: dict) -> tuple:
+        """Larger is better: with an SLO (goodput, output tokens/s), or, for configurations that
+        meet it at no rate, (0, -how far over the SLO they are); without one (output tokens/s,).
+        A pruned configuration or one under which no request fits scores below every other."""
+        if not e["fits"]:
+            return (-math.inf, -math.inf)
+        if e.get("pruned"):  # below every unpruned one, ranked among themselves by capacity
+            return (-1.0, e["requests_per_s"])
+        thr = e["throughput_output_tokens_per_s"]
+        if self.ps.slo:
+            g = e.get("goodput_requests_per_s", 0.0)
+            return (g, thr) if g > 0 else (0.0, -e.get("slo_miss", {}).get("over_x", math.inf))
+        return (thr,)
+
+    def objective(self, e: dict) -> float:
+        return self.score(e)[0]
+
+    # the search -----------------------------------------------------------------------------
+    def _floor(self, best_e: dict) -> float | None:
+        g = best_e.get("goodput_requests_per_s", 0.0) if self.ps.slo else 0.0
+        return g * (1 + self.step) if g > 0 else None
+
+    def search(self, max_passes: int = 3) -> Config:
+        """Coordinate descent from the default; returns the best configuration found."""
+        best = self.default
+        best_e = self.evaluate(best)
+        for _ in range(max_passes):
+            moved = False
+            for dim in DIMENSIONS:
+                for val in self.values(dim, best):
+                    c = self.normalized(replace(best, **{dim: val}))
+                    if c == best:
+                        continue
+                    e = self.evaluate(c, floor_rate=self._floor(best_e))
+                    if self.score(e) > self.score(best_e):
+                        best, best_e, moved = c, e, True
+            if not moved:
+                break
+        return best
+
+    def run(self) -> Suggestion:
+        """Search, then evaluate the default and the best on the whole trace; the verdict applies
+        the min_gain rule. Runners-up are the searched configurations one setting away from the
+        best (their figures from the search's sample)."""
+        import time
+
+        t0 = time.perf_counter()
+        found = self.search()
+        d_e = self.evaluate(self.default, final=True)
+        b_e = d_e if found == self.default else self.evaluate(found, final=True)
+        slo_met = not self.ps.slo or any(self.objective(e) > 0 for e in self.cache.values())
+        if self.ps.slo and not slo_met:  # nothing meets it: the closest is the one that misses it least
+            pool = [e for e in self.cache.values() if e.get("slo_miss")]
+            closest = max(pool, key=self.score)["config"] if pool else found
+            found = closest
+            b_e = self.evaluate(found, final=True)
+        gain = self._gain(b_e, d_e)
+        use_default = found == self.default or not (gain > 1 + self.min_gain)
+        chosen, chosen_e = (self.default, d_e) if use_default and slo_met else (found, b_e)
+        verdict = self._verdict(chosen, chosen_e, found, b_e, d_e, gain, slo_met, use_default)
+        # runners-up: the default and the found configuration where not chosen, then, per setting,
+        # the best searched configuration that differs from the chosen one in that setting alone
+        others = ([b_e] if chosen != found else []) + ([d_e] if chosen != self.default else [])
+        per_dim = {}
+        for (c, f), e in self.cache.items():
+            diff = [d for d in DIMENSIONS if getattr(c, d) != getattr(chosen, d)]
+            if f or c in (found, self.default) or not diff:
+                continue
+            # the contiguous allocator brings its own prefix caching (off) and speculation limits
+            d = "allocator" if "allocator" in diff else diff[0]
+            if len(diff) > 1 and d != "allocator":
+                continue
+            if d not in per_dim or self.score(e) > self.score(per_dim[d]):
+                per_dim[d] = e
+        others += sorted(per_dim.values(), key=self.score, reverse=True)
+        runners = [self._runner_up(e, chosen_e, chosen == self.default) for e in others]
+        return Suggestion(
+            best=self.describe(chosen, chosen_e), default=self.describe(self.default, d_e), runners_up=runners,
+            excluded=[{"weights": f, "reason": r} for f, r in sorted(self.exclusions.items())], verdict=verdict,
+            slo_met=slo_met, configurations_simulated=len({c for c, _ in self.cache}),
+            search_seconds=time.perf_counter() - t0,
+            settings={"slo": self.ps.slo, "min_gain": self.min_gain, "kv_cache_bytes": self._kv_bytes(),
+                      "simulations": self.simulations, "search_requests": len(self.search_reqs),
+                      "drafter": None if self.drafter is None else vars(self.drafter),
+                      "objective": "goodput (the highest request rate whose percentiles meet the SLO)" if self.ps.slo
+                      else "output tokens/s (every request at t = 0, as bench)"})
+
+    def _kv_bytes(self) -> int:
+        from mixserve.plan.planner import kv_budget
+
+        return kv_budget(self.cfg, self.sm, self.ps, BF16, self.hw)
+
+    def _gain(self, e: dict, base: dict) -> float:
+        a, b = self.objective(e), self.objective(base)
+        if b > 0 and math.isfinite(a):
+            return a / b
+        return math.inf if a > 0 else 1.0
+
+    def _verdict(self, chosen, chosen_e, found, b_e, d_e, gain, slo_met, use_default) -> str:
+        what = "goodput" if self.ps.slo else "output throughput"
+        if not slo_met:
+            m = chosen_e.get("slo_miss") or {}
+            return (f"no configuration meets the SLO: the closest ({chosen.describe()}) predicts "
+                    f"{m.get('measure', '?')} {m.get('predicted_s', math.nan) * 1e3:.0f} ms against "
+                    f"{m.get('limit_s', math.nan) * 1e3:.0f} ms ({m.get('over_x', math.nan):.2f}x the limit) "
+                    "when nearly unloaded; relax the SLO, or plan a faster machine")
+        if found == self.default:
+            return f"the default is best: no configuration the search tried predicts a higher {what}"
+        if use_default:
+            return (f"the default is best: the best other configuration ({', '.join(found.differences(self.default))}) "
+                    f"predicts {gain:.2f}x the default's {what}, within the planner's own error "
+                    f"({self.min_gain:.0%}), so the gain is not one it can claim")
+        return (f"change {', '.join(chosen.differences(self.default))}: predicted {gain:.2f}x the default's {what} "
+                f"(over the planner's error of {self.min_gain:.0%})")
+
+    def _runner_up(self, e: dict, best: dict, kept_default: bool) -> dict:
+        c = e["config"]
+        diff = c.differences(best["config"]) or ["the same settings"]
+        what = "goodput" if self.ps.slo else "output throughput"
+        if not e["fits"]:
+            reason = f"no request fits ({e['rejected']} refused): its KV reservation is over the cache"
+        elif e.get("pruned"):
+            reason = e["pruned"]
+        elif self.ps.slo and self.objective(e) <= 0:
+            m = e.get("slo_miss") or {}
+            reason = (f"misses the SLO even nearly unloaded: {m.get('measure')} "
+                      f"{m.get('predicted_s', math.nan) * 1e3:.0f} ms > {m.get('limit_s', math.nan) * 1e3:.0f} ms")
+        else:
+            g = self._gain(e, best)
+            if abs(g - 1) < 0.01:
+                reason = f"no difference predicted ({what} {g:.2f}x): the setting does not matter for this mix"
+            elif g > 1 and kept_default:
+                reason = (f"{what} {g:.2f}x the default's, within the planner's error of {self.min_gain:.0%}: "
+                          "not a gain it can claim")
+            else:
+                reason = f"{what} {g:.2f}x the suggestion's"
+        if not e["final"]:
+            reason += f" (searched on the trace's first {e['requests']} requests)"
+        return {"config": self._config_json(c), "differs_by": diff, "reason": reason,
+                "predicted": self._predicted(e)}
+
+    # output ---------------------------------------------------------------------------------
+    def _config_json(self, c: Config) -> dict:
+        return {"weights": c.weights, "allocator": c.allocator, "prefix_caching": c.prefix_caching,
+                "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+                "speculation": c.speculation[0], "num_speculative_tokens": c.speculation[1],
+                "draft_model": self.drafter.name if self.drafter and c.speculation[0] != "off" else None,
+                "replicas": c.replicas, "summary": c.describe()}
+
+    def _predicted(self, e: dict) -> dict:
+        p = {"throughput_output_tokens_per_s": e["throughput_output_tokens_per_s"],
+             "ttft_s": e["offline"]["ttft_s"], "tpot_s": e["offline"]["tpot_s"],
+             "kv_peak_bytes": e["kv_peak_bytes"], "kv_cache_bytes": self._kv_bytes(),
+             "preemptions": e["preemptions"], "prefix_hit_rate": e["prefix_hit_rate"]}
+        for k, name in (("goodput_requests_per_s", None), ("goodput_output_tokens_per_s", None),
+                        ("rate_limit", None), ("at_rate", "at_goodput_rate"), ("kv_peak_bytes_at_rate", None),
+                        ("slo_miss", None), ("pruned", None)):
+            if k in e:
+                p[name or k] = e[k]
+        p["requests_simulated"] = e["requests"]
+        return p
+
+    def describe(self, c: Config, e: dict) -> dict:
+        return {"config": self._config_json(c), "predicted": self._predicted(e)}
+
+
+@dataclass
+class CommandContext:
+    """What the command lines need besides the configuration: the model, trace and its reading
+    (bench's --dataset, --num-prompts, --seed, --output-len-cap, --max-prompt-len,
+    --conversations-at-once), the dtype, the KV budget, the quantization group size, an explicit
+    --max-model-len, the SLO and the rate to bench at, and the server's address."""
+
+    model: str
+    trace: str
+    num_prompts: int | None = None
+    seed: int = 0
+    output_len_cap: int = 256
+    max_prompt_len: int = 1024
+    conversations_at_once: int | None = None
+    dtype: str | None = None
+    kv_cache_memory: str | None = None
+    group_size: int = 128
+    max_model_len: int | None = None
+    slo: dict = field(default_factory=dict)
+    url: str = "http://127.0.0.1:8000"
+    model_kind: str = "hf"
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds * 1e3:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_rate: float | None = None) -> dict:
+    """Ready command lines for configuration `c`: {"prepare": [steps first], "serve": str,
+    "bench": str}. The weight format and dtype are pinned (a GGUF's --gguf-weights, int4's
+    --quantization or the AWQ checkpoint `mixserve quantize` writes). With an SLO, bench replays
+    the trace against the served endpoint at the predicted goodput rate with bench's per-request
+    SLO; without one it runs offline with the same engine flags (or, with replicas, against the
+    endpoint, all requests at once)."""
+    model = ctx.model
+    prepare = []
+    eng: list[str] = []
+    if c.weights == "int4-awq" and ctx.model_kind != "awq":
+        out = f"awq-{shlex.quote(model).replace('/', '_')}"
+        prepare.append(f"mixserve quantize --model {shlex.quote(model)} --method awq --group-size {ctx.group_size} "
+                       f"--out {out}")
+        model = out
+    eng += ["--model", model]
+    if ctx.dtype:
+        eng += ["--dtype", ctx.dtype]
+    if ctx.model_kind == "gguf":
+        eng += ["--gguf-weights", "native" if c.weights == "gguf" else "dequantize"]
+    if c.weights == "int4-rtn":
+        eng += ["--quantization", "rtn", "--quant-group-size", str(ctx.group_size)]
+    if c.weights.startswith("int4"):
+        eng += ["--quant-lm-head"]  # as planned (the engine's default for int4, pinned)
+    if ctx.kv_cache_memory:
+        eng += ["--kv-cache-memory", ctx.kv_cache_memory]
+    if ctx.max_model_len:
+        eng += ["--max-model-len", str(ctx.max_model_len)]
+    eng += ["--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens)]
+    if c.allocator == "contiguous":
+        eng += ["--kv-allocator", "contiguous", "--reserve", "max-tokens"]
+    eng += ["--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching"]
+    if c.speculation[0] != "off" and drafter is not None:
+        eng += ["--draft-model", drafter.name, "--num-speculative-tokens", str(c.speculation[1]),
+                "--speculation", c.speculation[0]]
+    serve = ["mixserve", "serve"] + eng + (["--replicas", str(c.replicas)] if c.replicas > 1 else [])
+    data = ["--dataset", ctx.trace, "--seed", str(ctx.seed), "--output-len-cap", str(ctx.output_len_cap),
+            "--max-prompt-len", str(ctx.max_prompt_len)]
+    if ctx.num_prompts is not None:
+        data += ["--num-prompts", str(ctx.num_prompts)]
+    if ctx.conversations_at_once:
+        data += ["--conversations-at-once", str(ctx.conversations_at_once)]
+    if ctx.slo or c.replicas > 1:
+        bench = ["mixserve", "bench", "--url", ctx.url, "--model", model] + data
+        if ctx.slo:
+            limits = {}
+            for key, v in ctx.slo.items():  # bench's SLO is per request: each measure's tightest limit
+                m = key.split("_")[0]
+                limits[m] = min(v, limits.get(m, math.inf))
+            bench += ["--slo", ",".join(f"{m}={_dur(v)}" for m, v in sorted(limits.items()))]
+            if goodput_rate and goodput_rate > 0:
+                bench += ["--request-rate", f"{goodput_rate:.4g}"]
+    else:
+        bench = ["mixserve", "bench"] + eng + data
+    return {"prepare": prepare, "serve": shlex.join(serve), "bench": shlex.join(bench)}
+
+
+def format_suggestion(s: Suggestion) -> str:
+    """The human-readable answer: the verdict, the commands, the predictions, the runners-up."""
+    def pred_line(p):
+        t = (f"{p['throughput_output_tokens_per_s']:.1f} output tok/s offline, TTFT p50/p90 "
+             f"{p['ttft_s']['p50'] * 1e3:.0f}/{p['ttft_s']['p90'] * 1e3:.0f} ms, TPOT p50/p90 "
+             f"{p['tpot_s']['p50'] * 1e3:.1f}/{p['tpot_s']['p90'] * 1e3:.1f} ms, KV peak "
+             f"{p['kv_peak_bytes'] / 2**20:.0f} of {p['kv_cache_bytes'] / 2**20:.0f} MiB")
+        if "at_goodput_rate" in p:
+            a = p["at_goodput_rate"]
+            t += (f"; goodput {p['goodput_requests_per_s']:.3g} req/s ({p['goodput_output_tokens_per_s']:.1f} tok/s), "
+                  f"there TTFT p90 {a['ttft_s']['p90'] * 1e3:.0f} ms, TPOT p90 {a['tpot_s']['p90'] * 1e3:.1f} ms")
+        return t
+
+    lines = [f"verdict: {s.verdict}", ""]
+    b = s.best
+    lines.append(f"suggested: {b['config']['summary']}")
+    for step in b.get("commands", {}).get("prepare", []):
+        lines.append(f"  first:  {step}")
+    if b.get("commands"):
+        lines.append(f"  serve:  {b['commands']['serve']}")
+        lines.append(f"  bench:  {b['commands']['bench']}")
+    lines.append(f"  predicted: {pred_line(b['predicted'])}")
+    lines.append(f"default: {s.default['config']['summary']}")
+    lines.append(f"  predicted: {pred_line(s.default['predicted'])}")
+    if s.runners_up:
+        lines.append("runners-up (each with the reason it lost):")
+        for r in s.runners_up:
+            lines.append(f"  - {', '.join(r['differs_by'])}: {r['reason']}")
+    for x in s.excluded:
+        lines.append(f"not searched: {x['weights']}: {x['reason']}")
+    for n in s.notes:
+        lines.append(f"note: {n}")
+    lines.append(f"searched {s.configurations_simulated} configurations ({s.settings.get('simulations')} simulations) "
+                 f"in {s.search_seconds:.1f} s; objective: {s.settings.get('objective')}")
+    return "\n".join(lines)
+
+
+def available_formats(sm: StepModel, model_kind: str, gguf: WeightFormat | None, group_size: int = 128,
+                      quality: dict[str, dict] | None = None, floor: float | None = None
+                      ) -> tuple[dict[str, WeightFormat], dict[str, str]]:
+    """The weight formats a search may use, and a reason for each left out: the ones the step
+    model cannot time (a profile without gguf or int4 tables), bf16 of an AWQ checkpoint (not
+    stored), and, with a quality floor (absolute perplexity increase per slice), every format
+    other than the reference whose recorded eval-ppl comparison is over it on some slice, or that
+    has no record (quality: {format: load_quality's {slice: ...}})."""
+    fmts: dict[str, WeightFormat] = {}
+    why: dict[str, str] = {}
+    tables = sm.tables if isinstance(sm, MeasuredModel) else None
+    if model_kind == "awq":
+        why["bf16"] = "the model is an AWQ checkpoint; its dense weights are not stored"
+    else:
+        fmts["bf16"] = BF16
+    if model_kind == "gguf" and gguf is not None:
+        if tables is not None and "gguf" not in tables:
+            why["gguf"] = "the profile has no gguf timings (hw probe --formats bf16,int4,gguf)"
+        else:
+            fmts["gguf"] = gguf
+    elif model_kind != "gguf":
+        why["gguf"] = "the model is not a GGUF file"
+    # the engine rounds an int4 model's LM head too by default (EngineArgs.quant_lm_head), and the
+    # commands pin it: time it from the int4 table where the profile has one
+    head = tables is None or "lm_head" in (tables.get("int4") or {})
+    int4 = WeightFormat("int4", group_size, lm_head_int4=head)
+    for name in ("int4-rtn", "int4-awq"):
+        if tables is not None and "int4" not in tables:
+            why[name] = "the profile has no int4 timings (hw probe --formats bf16,int4)"
+        elif name == "int4-rtn" and model_kind == "awq":
+            why[name] = "the model is already an AWQ checkpoint"
+        else:
+            fmts[name] = int4
+    if floor is not None:
+        # the reference of an eval-ppl comparison: bf16 (or the dequantized GGUF) is never excluded
+        for name in [f for f in fmts if f != "bf16"]:
+            rec = (quality or {}).get(name)
+            if rec is None:
+                why[name] = (f"no eval-ppl comparison on disk for it (--quality FILE), so the quality floor "
+                             f"(+{floor:g} perplexity) cannot be checked")
+                del fmts[name]
+                continue
+            bad = quality_violations(rec, floor)
+            if bad:
+                why[name] = f"perplexity over the floor (+{floor:g}) on {', '.join(bad)}"
+                del fmts[name]
+    return fmts, why

@@ -1,0 +1,200 @@
+"""plan --suggest (issue 34): the search, its answer's rules, and command lines the engine runs, on
+made-up profiles and a tiny random model with SmolLM2's tokenizer."""
+import json
+import os
+import shlex
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mixserve.cli import build_parser, engine_args, main
+from mixserve.plan.cost_model import WeightFormat
+from mixserve.plan.planner import PlanSettings, parse_slo
+from mixserve.plan.simulator import SimRequest
+from mixserve.plan.step_time import MeasuredModel
+from mixserve.plan.suggest import Config, Drafter, Suggester, available_formats, commands, CommandContext
+from tests.unit.test_plan_planner import CFG, fake_profile
+
+
+def reqs(n=24, prompt=200, out=64):
+    return [SimRequest(prompt + 7 * (i % 5), out, 0.0, "t") for i in range(n)]
+
+
+def profile(int4_factor=0.5, cfg=CFG):
+    """fake_profile, with int4 `int4_factor` times bf16 at every row count."""
+    p = fake_profile(cfg)
+    for name, t in p["linear"]["int4"].items():
+        t["seconds"] = [s * int4_factor for s in p["linear"]["bf16"][name]["seconds"]]
+    return p
+
+
+def suggester(prof, slo=None, quality=None, floor=None, **kw):
+    sm = MeasuredModel(CFG, prof)
+    fmts, why = available_formats(sm, "hf", None, quality=quality, floor=floor)
+    ps = PlanSettings(slo=parse_slo(slo) if slo else {}, kv_bytes=1 << 30, bisect_iters=6)
+    return Suggester(CFG, sm, {}, reqs(), ps, fmts, exclusions=why, model_kind="hf", search_requests=None, **kw)
+
+
+def test_a_faster_format_is_suggested_and_the_default_is_reported():
+    s = suggester(profile(0.5)).run()
+    assert s.best["config"]["weights"] in ("int4-rtn", "int4-awq")
+    assert s.default["config"]["weights"] == "bf16"
+    gain = s.best["predicted"]["throughput_output_tokens_per_s"] / s.default["predicted"]["throughput_output_tokens_per_s"]
+    assert gain > 1.15 and s.verdict.startswith("change")
+    assert s.configurations_simulated >= 10
+    # each runner-up names what differs and why it lost
+    assert s.runners_up and all(r["reason"] and r["differs_by"] for r in s.runners_up)
+    assert any("bf16" in " ".join(r["differs_by"]) for r in s.runners_up)
+
+
+def test_a_gain_within_the_planners_error_keeps_the_default():
+    # int4 5% faster: under the 15% the planner can claim
+    s = suggester(profile(0.95)).run()
+    assert s.best["config"] == s.default["config"]
+    assert s.verdict.startswith("the default is best") and "within the planner's own error" in s.verdict
+    # ... and a smaller min_gain lets it through
+    s2 = suggester(profile(0.95), min_gain=0.01).run()
+    assert s2.best["config"]["weights"].startswith("int4")
+
+
+def test_an_slo_no_configuration_meets_gets_that_answer_with_the_closest():
+    s = suggester(profile(0.5), slo="ttft_p90=1us,tpot_p90=1us").run()
+    assert not s.slo_met
+    assert s.verdict.startswith("no configuration meets the SLO")
+    miss = s.best["predicted"]["slo_miss"]
+    assert miss["over_x"] > 1 and miss["limit_s"] == pytest.approx(1e-6)
+    # the closest is the one that misses least: no searched configuration misses by less
+    s2 = suggester(profile(0.5), slo="ttft_p90=1us,tpot_p90=1us")
+    s2.run()
+    misses = [e["slo_miss"]["over_x"] for e in s2.cache.values() if e.get("slo_miss")]
+    assert miss["over_x"] <= min(misses) * 1.0001
+
+
+def test_goodput_objective_meets_the_slo_at_the_predicted_rate():
+    s = suggester(profile(0.5), slo="ttft_p90=2s,tpot_p90=100ms").run()
+    p = s.best["predicted"]
+    assert s.slo_met and p["goodput_requests_per_s"] > 0
+    assert p["at_goodput_rate"]["tpot_s"]["p90"] <= 0.1 and p["at_goodput_rate"]["ttft_s"]["p90"] <= 2.0
+
+
+def test_quality_floor_excludes_a_format_over_it_or_without_a_record():
+    ok = {"code": {"delta": 0.1, "ci95": [0.0, 0.2], "significant": False}}
+    bad = {"code": {"delta": 0.1, "ci95": [0.0, 0.2], "significant": False},
+           "chat_nonen": {"delta": 1.7, "ci95": [1.2, 2.2], "significant": True}}
+    s = suggester(profile(0.5), quality={"int4-awq": ok, "int4-rtn": bad}, floor=0.5)
+    assert "int4-rtn" not in s.formats and "int4-awq" in s.formats
+    res = s.run()
+    why = {x["weights"]: x["reason"] for x in res.excluded}
+    assert "chat_nonen +1.700" in why["int4-rtn"]
+    assert res.best["config"]["weights"] == "int4-awq"
+    # no record for a format: the floor cannot be checked, so it is not suggested
+    s = suggester(profile(0.5), quality={}, floor=0.5)
+    assert set(s.formats) == {"bf16"}
+    assert "no eval-ppl comparison" in {x["weights"]: x["reason"] for x in s.run().excluded}["int4-awq"]
+
+
+def test_speculation_is_searched_with_a_drafter_and_kept_off_without():
+    s = suggester(profile(1.0))
+    assert s.values("speculation", s.default) == [("off", 0)]
+    d = Drafter("ngram", alpha=0.9, cost=0.0)
+    s = suggester(profile(1.0), drafter=d)
+    vals = s.values("speculation", s.default)
+    assert ("auto", 8) in vals and ("fixed", 4) in vals
+    # a draft model cannot sit beside the contiguous allocator: never offered together
+    s = suggester(profile(1.0), drafter=Drafter("some-draft", 0.9, 0.1))
+    c = s.normalized(Config(allocator="contiguous", speculation=("fixed", 4)))
+    assert c.speculation == ("off", 0) and not c.prefix_caching
+
+
+def test_commands_pin_the_format(tmp_path):
+    ctx = CommandContext(model="m.gguf", trace="t.jsonl", dtype="bfloat16", kv_cache_memory="1GiB",
+                         model_kind="gguf", slo={"ttft_p90": 2.0, "tpot_p99": 0.1})
+    c = commands(Config(weights="gguf"), ctx, None, goodput_rate=1.5)
+    assert "--gguf-weights native" in c["serve"] and "--dtype bfloat16" in c["serve"]
+    assert "--url" in c["bench"] and "--request-rate 1.5" in c["bench"] and "--slo tpot=100ms,ttft=2s" in c["bench"]
+    c = commands(Config(weights="int4-awq"), ctx, None)
+    assert c["prepare"] and c["prepare"][0].startswith("mixserve quantize --model m.gguf --method awq")
+    assert "--gguf-weights dequantize" in c["serve"]
+    c = commands(Config(weights="int4-rtn", speculation=("auto", 8)), replace(ctx, slo={}), Drafter("ngram", 0.5, 0.0))
+    assert "--quantization rtn" in c["serve"] and "--draft-model ngram --num-speculative-tokens 8 --speculation auto" \
+        in c["serve"] and c["bench"].startswith("mixserve bench --model")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mixserve.models.weights import load_tokenizer
+
+    folder = tmp_path_factory.mktemp("sg") / "tiny-suggest"
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
+    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
+    src = load_tokenizer(smollm2_path).name_or_path
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(f"{src}/{f}"):
+            shutil.copy(f"{src}/{f}", folder / f)
+    return str(folder)
+
+
+def test_suggest_cli_prints_commands_the_engine_runs(tiny, tmp_path, capsys):
+    from mixserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(tiny)
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps({**profile(0.5, cfg), "dtype": "float32"}))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_tokens": 20 + 3 * i, "max_tokens": 6}) + "\n" for i in range(6)))
+    rc = main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
+               "--kv-cache-memory", "16MiB", "--spec-alpha", "0.5"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    doc = json.loads(out.out)  # one JSON document on stdout, the logs on stderr
+    best = doc["best"]
+    for k in ("throughput_output_tokens_per_s", "ttft_s", "tpot_s"):
+        assert k in best["predicted"]
+    assert doc["default"]["serve_command"] and isinstance(doc["runners_up"], list)
+    assert "--kv-cache-memory 16MiB" in best["serve_command"]
+    # every flag of the serve line is the engine's: parsed by the CLI, accepted by EngineArgs
+    argv = shlex.split(best["serve_command"])
+    assert argv[:2] == ["mixserve", "serve"]
+    a = build_parser().parse_args(argv[1:])
+    ea = engine_args(a)
+    assert ea.max_num_seqs == best["config"]["max_num_seqs"]
+    assert ea.max_num_batched_tokens == best["config"]["max_num_batched_tokens"]
+    # ... and the bench line runs (offline: no SLO given) on the tiny model
+    bench = shlex.split(best["bench_command"])
+    assert bench[:2] == ["mixserve", "bench"] and "--url" not in bench
+    rc = main(bench[1:] + ["--output", str(tmp_path / "bench.json"), "--kernels", "eager"])
+    assert rc == 0
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["output_tokens_per_s"] > 0
+
+
+def test_suggest_flags_are_checked(tiny, tmp_path, capsys):
+    rc = main(["plan", "--json", "--trace", "x.jsonl", "--model", tiny, "--hardware", "h200"])
+    assert rc == 2 and "only with --suggest" in capsys.readouterr().err
+    rc = main(["plan", "--suggest", "--max-ppl-increase", "-1", "--trace", "x.jsonl", "--model", tiny,
+               "--hardware", "h200"])
+    assert rc == 2 and "max_ppl_increase" in capsys.readouterr().err
+
+
+def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables(tmp_path):
+    """`hw probe` on a GGUF model (native by default) crashed reading the embedding's `.weight`, and
+    predicted the native engine's steps from the bf16 tables (issue 34: a 1-row step "took 25.5 ms,
+    but the matmul and attention timings add up to 50.9 ms")."""
+    from mixserve.plan.hardware import engine_format, probe
+    from tests.unit.test_gguf_native import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    prof = probe(str(path), rows=[1, 2, 4], formats=("bf16", "gguf"), repeats=1, max_context=64, log=lambda m: None)
+    assert prof["overhead"]["format"] == "gguf"
+    assert {p["seqs"] for p in prof["overhead"]["points"]} >= {1, 64}
+    from mixserve.plan.hardware import overhead_engine
+
+    eng = overhead_engine(str(path), torch.float32, gguf_weights="dequantize", context=256)
+    assert engine_format(eng.model, str(path)).name == "bf16"
