@@ -83,7 +83,10 @@ def step_costs(eng, prompt, ks):
 
     ids = list(prompt)
     res = {}
-    for name, runner, bm in (("target", eng.runner, eng.block_manager), ("draft", eng.proposer.runner, eng.proposer.bm)):
+    pairs = [("target", eng.runner, eng.block_manager)]
+    if hasattr(eng.proposer, "runner"):  # a draft model (prompt lookup has no forward)
+        pairs.append(("draft", eng.proposer.runner, eng.proposer.bm))
+    for name, runner, bm in pairs:
         sid = -1000 - len(res)
         bm.append_slots(sid, 0, len(ids) + 8)
         runner.run([BatchItem(sid, ids, 0, len(ids), 1)])
@@ -109,6 +112,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--datasets", default="humaneval,sharegpt")
+    ap.add_argument("--draft-quantization", default=None, choices=["rtn"],
+                    help="the draft rounded to int4 at load (issue 34)")
     ap.add_argument("--out", default="results/spec_speed.json")
     a = ap.parse_args()
 
@@ -119,7 +124,8 @@ def main():
     from mixserve.spec_decode.controller import expected_tokens
 
     eng = LLMEngine(EngineArgs(model=a.target, dtype=a.dtype, draft_model=a.draft, kv_cache_memory="1GiB",
-                               progress=False))
+                               progress=False, draft_quantization=a.draft_quantization))
+    print(eng.describe(), flush=True)
     tok = eng.tokenizer
     he = [tok.encode(r.prompt) for r in load_humaneval(a.prompts)]
     sg = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
@@ -150,26 +156,31 @@ def main():
                 al = rows[name]["alpha"]
                 sc = rows[name]["step_costs_s"]
                 t1 = rows["plain"]["step_costs_s"]["target_1"]
-                rows[name]["c"] = sc["draft_1"] / t1
-                pred = expected_tokens(al, k) * t1 / (k * sc["draft_1"] + sc[f"target_{k + 1}"])
+                d1 = sc["draft_1"] or 0.0  # prompt lookup: no draft forward
+                rows[name]["c"] = d1 / t1
+                # the verification pass's cost per row against the 1-row step
+                rows[name]["verify_per_row_x1"] = sc[f"target_{k + 1}"] / (k + 1) / t1
+                pred = expected_tokens(al, k) * t1 / (k * d1 + sc[f"target_{k + 1}"])
                 rows[name]["predicted_speedup"] = pred
                 rows[name]["prediction_error"] = pred / rows[name]["speedup"] - 1
                 # where a miss comes from: tokens per step (α model) vs step time (additive cost model)
                 rows[name]["tokens_per_step_pred_meas"] = (expected_tokens(al, k),
                                                            rows[name]["tokens"] / rows[name]["steps"])
-                rows[name]["step_s_pred_meas"] = (k * sc["draft_1"] + sc[f"target_{k + 1}"],
+                rows[name]["step_s_pred_meas"] = (k * d1 + sc[f"target_{k + 1}"],
                                                   rows[name]["mean_step_s"])
         best = max(rows[n]["tok_s"] for n in ("plain", "k=1", "k=2", "k=4"))
         rows["auto"]["auto_vs_best"] = rows["auto"]["tok_s"] / best
         results["datasets"][ds] = rows
     fc = results["forward_costs_s"]
-    results["c"] = fc["draft_1"] / fc["target_1"]
+    results["c"] = fc.get("draft_1", 0.0) / fc["target_1"]
+    results["verify_per_row_x1"] = {k: fc[f"target_{k + 1}"] / (k + 1) / fc["target_1"] for k in (1, 2, 4)}
+    print("verification forward per row / 1-row forward:", {k: round(v, 3) for k, v in results["verify_per_row_x1"].items()})
     # where speculation stops paying (greedy costs): the α at which k proposals break even
     first_rows = next(iter(results["datasets"].values()))
     results["break_even_alpha"] = {}
     for k in (1, 2, 4):
         sc = first_rows[f"k={k}"]["step_costs_s"]
-        cost = (k * sc["draft_1"] + sc[f"target_{k + 1}"]) / first_rows["plain"]["step_costs_s"]["target_1"]
+        cost = (k * (sc["draft_1"] or 0.0) + sc[f"target_{k + 1}"]) / first_rows["plain"]["step_costs_s"]["target_1"]
         lo, hi = 0.0, 1.0
         for _ in range(50):
             mid = (lo + hi) / 2

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: draft model (same vocabulary) or 'ngram' for prompt lookup")
     p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
                    help="largest k proposed per step (default %(default)s)")
+    p.add_argument("--draft-quantization", default=None, choices=["rtn"],
+                   help="rtn: round the draft model to int4 at load (its LM head too), a quarter of its bf16 bytes "
+                        "a draft step; the output stays the target's (default: the draft as stored)")
     p.add_argument("--speculation", default=d.speculation, choices=["auto", "fixed", "off"],
                    help="auto: pick k per step from measured acceptance and costs; fixed: always k")
     p.add_argument("--quantization", default=None, choices=["rtn", "awq"],
@@ -910,7 +913,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "memory bandwidth and per-step overhead; save a JSON profile")
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder")
     p.add_argument("--out", default=None, help="profile path (default results/hw-*.json)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="row counts timed per linear")
+    p.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,128,256,512",
+                   help="row counts timed per linear (3 and 5: speculative verification of k = 2 and 4)")
     p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4,gguf (gguf: a GGUF model's "
                    "quantized tensors as stored, each shape with the file's own block types)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median is kept)")

@@ -129,8 +129,11 @@ class LLMEngine:
         self.draft_cfg = None
         draft = None
         if args.draft_model and args.draft_model != "ngram":
-            draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress,
-                               gguf_weights=args.load_gguf_weights)
+            # an int4 draft (draft_quantization rtn) starts from the dequantized weights, as RTN does
+            dq = args.draft_quantization
+            draft = load_model(args.draft_model, self.dtype, self.max_model_len, args.progress, quantization=dq,
+                               group_size=args.quant_group_size, lm_head=dq is not None,
+                               gguf_weights="dequantize" if dq else args.load_gguf_weights)
             check_same_vocab(self.cfg, self.tokenizer, draft[0], draft[2])
             self.draft_cfg = draft[0]
         # batch invariance (layers/batch_invariance.py) is a CPU mode; where its kernels did not

@@ -79,6 +79,18 @@ static inline float sum8_tree(__m256 h) {
 }
 #endif
 
+// the most activation rows the VNNI variant runs by streaming passes through the weights (`run`,
+// `run_wide`) before its many-row kernel; gguf_wide_rows(n) sets it (n >= 4; else only reads it) and
+// returns the value before (benchmarks/gguf_wide_rows.py times both ways; they give the same bits).
+// The AVX2 variant keeps 4 (16 vector registers hold no 8-row pass).
+static int64_t g_wide_rows = 16;
+
+int64_t wide_rows(int64_t n) {
+  const int64_t old = g_wide_rows;
+  if (n >= 4) g_wide_rows = n;
+  return old;
+}
+
 struct Layout {
   const uint8_t* lo; const uint8_t* hi; const at::Half* d; const int8_t* sc; const at::Half* dm;
   const uint8_t* mn; int64_t N, K, G, S, HB, ng, nb, hib; float z;
@@ -405,10 +417,78 @@ static void run_many(const Layout& L, const int8_t* xp, const __m512* dxv, const
     });
 }
 
+// 5-8 activation rows (a 2-4-row step's two levels: speculative verification, small decode batches;
+// issue 34) in one stream through the weights, as `run` streams 1-4: each weight vector is read from
+// memory once and dotted with every row, where the many-row kernel unpacked a tile into a scratch
+// buffer first (a 4-row step of the 0.5B's gate+up took 3.2x a 1-row one). One integer accumulator per
+// row holds both steps' products (the integer sum `run` forms as ia + ib, the same exact value) so the
+// 8 rows fit the 32 vector registers; then `run`'s float step in its order: the same bits.
+template <int R, int G, int HB>
+static void run_wide(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t ystride,
+                     int64_t PF) {
+  const int64_t N = L.N, nb = L.nb, xrow = nb * 16 * G;
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const bool past = may_read_past(L, n);
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t = std::min<int64_t>(16, L.ng - 16 * b);
+        const __mmask64 km = t == 16 ? ~(__mmask64)0 : (__mmask64)((1ull << (4 * t)) - 1);
+        __m512i is[R];
+        for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+        const int8_t* x = xp + b * 16 * G;
+        for (int64_t p = 0; p < G / 8; ++p) {
+          if (PF) prefetch_pair<G, HB>(L, n, N, PF, b, p, t);
+          __m512i qa, qb;
+          unpack<G, HB>(L, n, b, p, km, t, qa, qb, past);
+          for (int r = 0; r < R; ++r) {
+            is[r] = _mm512_dpbusd_epi32(is[r], qa, _mm512_loadu_si512(x + r * xrow + p * 64));
+            is[r] = _mm512_dpbusd_epi32(is[r], qb, _mm512_loadu_si512(x + r * xrow + (p + G / 8) * 64));
+          }
+        }
+        __m512 sv, mv;
+        block_scales(L, n, b, sv, mv);
+        for (int r = 0; r < R; ++r) {
+          const __m512 dx = dxv[r * nb + b], xs = xsv[r * nb + b];
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(sv, dx), _mm512_fmadd_ps(mv, xs, acc[r]));
+        }
+      }
+      for (int r = 0; r < R; ++r) y[r * ystride + n] = sum16(acc[r]);
+    }
+  });
+}
+
 // one: one weight row a pass, else two (`run`'s W); chosen by timing per shape (gguf_linear.choose)
 template <int G, int HB>
 static void run_rows(const Layout& L, const int8_t* xp, const __m512* dxv, const __m512* xsv, float* y, int64_t RQ,
                      int64_t PF, bool one) {
+  // a streaming pass keeps its P rows' int8 activations (P * K bytes) in L1 beside the weight stream:
+  // at most 32 KB of them (L1d is 32-48 KB on the x86 this project meets). Past that, or past two
+  // passes, the many-row kernel's single unpack wins: on a Zen 5 EPYC the 0.5B's down projection
+  // (K = 4864) at 8 rows took 3.9x a 1-row call streamed, 3.1x many-row; its gate (K = 896) 1.9x
+  // against 3.5x (benchmarks/gguf_wide_rows.py, BENCHMARKS.md "Issue 34")
+  const int64_t P = std::min<int64_t>(8, std::max<int64_t>(4, 32768 / L.K));
+  const int64_t passes = (RQ + P - 1) / P;
+  if (RQ > 4 && RQ <= g_wide_rows && passes <= (P == 8 ? 2 : 1)) {
+    const int64_t xrow = L.nb * 16 * G;
+    for (int64_t r0 = 0; r0 < RQ; r0 += P) {
+      const int64_t rr = std::min<int64_t>(P, RQ - r0);
+      const int8_t* a = xp + r0 * xrow; const __m512* b = dxv + r0 * L.nb; const __m512* c = xsv + r0 * L.nb;
+      float* o = y + r0 * L.N;
+      switch (rr) {
+        case 1: run<1, G, HB, 1>(L, a, b, c, o, L.N, PF); break;
+        case 2: run<2, G, HB, 1>(L, a, b, c, o, L.N, PF); break;
+        case 3: run<3, G, HB, 1>(L, a, b, c, o, L.N, PF); break;
+        case 4: run<4, G, HB, 1>(L, a, b, c, o, L.N, PF); break;
+        case 5: run_wide<5, G, HB>(L, a, b, c, o, L.N, PF); break;
+        case 6: run_wide<6, G, HB>(L, a, b, c, o, L.N, PF); break;
+        case 7: run_wide<7, G, HB>(L, a, b, c, o, L.N, PF); break;
+        default: run_wide<8, G, HB>(L, a, b, c, o, L.N, PF); break;
+      }
+    }
+    return;
+  }
   if (RQ > 4) return run_many<G, HB>(L, xp, dxv, xsv, y, RQ);
   const int64_t xrow = L.nb * 16 * G;
   for (int64_t r0 = 0; r0 < RQ; r0 += 4) {
@@ -970,6 +1050,7 @@ TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
           "int HB, float z, int levels=1, int prefetch=0) -> Tensor");
   lib.def("gguf_dequant(Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int G, int S, int HB, "
           "float z, Tensor rows, bool all_rows, Tensor(a!) out) -> ()");
+  lib.def("gguf_wide_rows(int n) -> int", &wide_rows);  // no tensor to dispatch on: one kernel for all
 }
 TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
   lib.impl("gguf_matmul", &matmul);
@@ -1076,3 +1157,18 @@ def _load():
 def available() -> bool:
     """True where the kernel builds for this CPU (AVX2, FMA and F16C at least) and loads."""
     return _load() is not None
+
+
+# int8 activation rows (rows x levels) the VNNI variant runs by streaming passes through the weights,
+# up to 8 rows a pass and 32 KB of activations, before its many-row kernel (the C++ g_wide_rows'
+# default; issue 34)
+DEFAULT_WIDE_ROWS = 16
+
+
+def set_wide_rows(n: int) -> int:
+    """Run up to `n` (>= 4) int8 activation rows by streaming passes through the weights (above it:
+    the many-row kernel); returns the value before. Both give the same bits; this only moves time
+    (benchmarks/gguf_wide_rows.py). The AVX2 variant streams 4. Raises RuntimeError without the kernel."""
+    if _load() is None:
+        raise RuntimeError(f"the native GGUF kernel is not available here: {why_not_native()}")
+    return int(torch.ops.mixserve.gguf_wide_rows(int(n)))

@@ -29,7 +29,9 @@ from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import BF16, WeightFormat, gguf_format, linear_shapes
 from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, StepBatch, StepModel
 
-DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+# 3 and 5 are the verification passes of k = 2 and 4 speculative tokens (k + 1 rows), whose cost the
+# controller and the planner need, not an interpolation between 2, 4 and 8 (issue 34)
+DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512]
 # decode attention is timed on this grid of (rows, context) per call: its cost per slot is not
 # constant (a 32 x 2048 call costs 2.7x per slot what an 8 x 2048 one does on these CPUs, once the
 # gathered K/V outgrow the cache), so the planner interpolates the grid instead of a line

@@ -62,6 +62,7 @@ class Config:
     replicas: int = 1
 
     def describe(self) -> str:
+        """One line naming every setting, e.g. "gguf, paged, prefix caching on, max-num-seqs 256, ..."."""
         spec = "no speculation" if self.speculation[0] == "off" else (
             f"speculation {self.speculation[0]} k{'<=' if self.speculation[0] == 'auto' else '='}"
             f"{self.speculation[1]}")
@@ -352,6 +353,7 @@ class Suggester:
         return (thr,)
 
     def objective(self, e: dict) -> float:
+        """The figure the search maximizes: goodput (requests/s) with an SLO, else output tokens/s."""
         return self.score(e)[0]
 
     # the search -----------------------------------------------------------------------------
@@ -500,6 +502,7 @@ class Suggester:
         return p
 
     def describe(self, c: Config, e: dict) -> dict:
+        """{"config": the flags' values and a summary, "predicted": evaluate()'s figures} of `c`."""
         return {"config": self._config_json(c), "predicted": self._predicted(e)}
 
 

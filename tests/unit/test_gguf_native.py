@@ -201,6 +201,32 @@ def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
                 assert torch.equal(y[picked], alone[:len(picked)]), (qtype, n, k, levels, rows)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_streaming_passes_at_few_rows_give_the_many_row_kernels_bits(qtype):
+    """Issue 34: 5-16 int8 activation rows (a 2-8-row step's levels: speculative verification) run by
+    streaming passes through the weights, up to 8 a pass, instead of the many-row kernel; each row
+    gets the same bits either way, and the bits it gets alone."""
+    from mixserve.layers import gguf_kernels
+
+    torch.manual_seed(6)
+    n, k = shapes(qtype)[1]
+    w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed=7), k)
+    x = (torch.randn(8, k) * torch.linspace(0.1, 3, k)).contiguous()
+    old = gguf_kernels.set_wide_rows(16)
+    try:
+        for levels in (2, 3):
+            alone = torch.cat([w.matmul(x[i:i + 1], levels=levels) for i in range(8)])
+            for rows in (3, 4, 5, 8):
+                gguf_kernels.set_wide_rows(16)
+                y = w.matmul(x[:rows], levels=levels)
+                gguf_kernels.set_wide_rows(4)
+                assert torch.equal(y, w.matmul(x[:rows], levels=levels)), (qtype, levels, rows)
+                assert torch.equal(y, alone[:rows]), (qtype, levels, rows)
+    finally:
+        gguf_kernels.set_wide_rows(old)
+    assert gguf_kernels.set_wide_rows(old) == old
+
+
 def test_linear_parts_dense_switch_and_float_head():
     k = 512
     parts = [GGUFWeight.from_blocks(t, random_blocks(t, n, k, seed=i), k)
