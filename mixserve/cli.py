@@ -913,7 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "memory bandwidth and per-step overhead; save a JSON profile")
     p.add_argument("--model", required=True, help="built-in name, GGUF path or HF folder")
     p.add_argument("--out", default=None, help="profile path (default results/hw-*.json)")
-    p.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,128,256,512",
+    p.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,128,256,512,1024,2048",
                    help="row counts timed per linear (3 and 5: speculative verification of k = 2 and 4)")
     p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4,gguf (gguf: a GGUF model's "
                    "quantized tensors as stored, each shape with the file's own block types)")

@@ -31,7 +31,10 @@ from mixserve.plan.step_time import ACCELERATORS, MeasuredModel, RooflineModel, 
 
 # 3 and 5 are the verification passes of k = 2 and 4 speculative tokens (k + 1 rows), whose cost the
 # controller and the planner need, not an interpolation between 2, 4 and 8 (issue 34)
-DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512]
+# 1024 and 2048: a prefill chunk's rows (the engine's default budget is 2048 tokens); past the last
+# point a table extrapolates in proportion, which on a Zen 5 EPYC made the 0.5B's 2048-row gate+up 22%
+# too cheap (the kernel's cost per row grows from 512 rows on)
+DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 # decode attention is timed on this grid of (rows, context) per call: its cost per slot is not
 # constant (a 32 x 2048 call costs 2.7x per slot what an 8 x 2048 one does on these CPUs, once the
 # gathered K/V outgrow the cache), so the planner interpolates the grid instead of a line
@@ -251,16 +254,23 @@ def probe_linears(cfg: ModelConfig, rows: list[int], formats: list[str], dtype, 
 
 
 class _Holder:
-    """Stands in for a model when only the runner's batch preparation is wanted."""
+    """Stands in for a model when only the runner's batch preparation is wanted (batch_invariant:
+    the runner prepares every row for the paged kernel, as for an invariant model)."""
+
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
 
     def bind_kv_cache(self, k, v):
         pass
 
 
 def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[int, int] | None,
-                    repeats: int, block_size: int = 16, decode: str = "sdpa", device="cpu") -> float:
+                    repeats: int, block_size: int = 16, decode: str = "sdpa", device="cpu",
+                    invariant: bool = False) -> float:
     """Median seconds of one layer's paged_attention for the given batch, prepared by the
-    engine's ModelRunner over a BlockManager holding just these sequences."""
+    engine's ModelRunner over a BlockManager holding just these sequences. invariant: as a
+    batch-invariant engine runs it, every row (prefill ones too) on the paged kernel (issue 34:
+    timed on SDPA instead, a 2048-token chunk's attention came out 3.5x too cheap)."""
     from mixserve.engine.model_runner import BatchItem, ModelRunner
     from mixserve.kv.block_manager import BlockManager
     from mixserve.layers.attention import paged_attention
@@ -268,7 +278,7 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
     need = sum(-(-c // block_size) for c in decode_ctx) + (-(-span[1] // block_size) if span else 0)
     bm = BlockManager(need + 1, block_size)
     one = ModelConfig(**{**cfg.as_dict(), "num_layers": 1})
-    runner = ModelRunner(_Holder(), one, bm, need + 1, block_size, dtype, device)
+    runner = ModelRunner(_Holder(invariant), one, bm, need + 1, block_size, dtype, device)
     items = []
     for i, c in enumerate(decode_ctx):
         bm.append_slots(i, 0, c)
@@ -289,11 +299,12 @@ def _attention_case(cfg: ModelConfig, dtype, decode_ctx: list[int], span: tuple[
 
 
 def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 2048, log=print,
-                    chooser=None, device="cpu") -> dict:
+                    chooser=None, device="cpu", invariant: bool = False) -> dict:
     """Decode attention over a (rows, context) grid and span attention over (queries, context),
     one layer, with least-squares fits; the decode grid itself is kept for the planner
     (MeasuredModel interpolates it), the decode fit is for reading. Decode rows use the kernel
-    the engine chooses here (`chooser`)."""
+    the engine chooses here (`chooser`); with `invariant` (a batch-invariant engine) every row
+    uses the paged kernel, as the engine's runner prepares them."""
     from mixserve.layers.attention import choose_decode_kernel
     from mixserve.layers.kernel_choice import KernelChooser
 
@@ -305,7 +316,7 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     ctx_grid = sorted({c for c in DECODE_ATTENTION_CONTEXTS if c < max_context} | {max_context})
     for b in rows_grid:
         for c in ctx_grid:
-            t = _attention_case(cfg, dtype, [c] * b, None, repeats, decode=decode, device=device)
+            t = _attention_case(cfg, dtype, [c] * b, None, repeats, decode=decode, device=device, invariant=invariant)
             dec_pts.append({"rows": b, "context": c, "seconds": t})
     X = np.array([[1.0, p["rows"], p["rows"] * p["context"]] for p in dec_pts])
     dec_fit = fit_nonneg(X, np.array([p["seconds"] for p in dec_pts]))
@@ -315,7 +326,7 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     span_pts = []
     for q, c in ((16, 16), (128, 128), (512, 512), (min(2048, max_context), min(2048, max_context)),
                  (64, 1024), (256, 1024), (5, 512)):
-        t = _attention_case(cfg, dtype, [], (q, c), repeats, device=device)
+        t = _attention_case(cfg, dtype, [], (q, c), repeats, device=device, invariant=invariant)
         span_pts.append({"queries": q, "context": c, "seconds": t})
     X = np.array([[1.0, p["queries"], p["queries"] * p["context"] - p["queries"] * (p["queries"] - 1) // 2]
                   for p in span_pts])
@@ -323,8 +334,9 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
     log(f"  attention decode fit a={dec_fit[0] * 1e6:.1f}us b={dec_fit[1] * 1e6:.2f}us/row "
         f"c={dec_fit[2] * 1e9:.2f}ns/context-token; span fit a={span_fit[0] * 1e6:.1f}us "
         f"b={span_fit[1] * 1e6:.2f}us/query c={span_fit[2] * 1e9:.3f}ns/pair (per layer)")
-    return {"decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid,
-                       "kernel": decode},
+    return {"invariant": invariant,
+            "decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid,
+                       "kernel": "paged (every row: batch invariance)" if invariant else decode},
             "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
 
 
@@ -579,7 +591,16 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
                               ("native" if "gguf" in formats else "dequantize"), context=cfg.max_position_embeddings)
         eng_fmt = engine_format(eng.model, gguf_path)
         reference = {b: live_linear_seconds(eng.model, b, repeats) for b in OVERHEAD_DECODE_BATCHES}
-    prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser, device=dev)
+    # the rows' attention as the engine runs it: with batch invariance (the CPU default) every row,
+    # prefill ones too, on the paged kernel
+    if eng is not None:
+        invariant = bool(getattr(eng.model, "batch_invariant", False))
+    else:
+        from mixserve.layers import batch_invariance
+
+        invariant = not gpu and batch_invariance.unavailable() is None
+    prof["attention"] = probe_attention(cfg, dtype, repeats, max_context, log=log, chooser=chooser, device=dev,
+                                        invariant=invariant)
     prof["kernels"] = {"amx": amx, "threads": torch.get_num_threads(),
                        "choices": {c.key: {"name": c.name, "source": c.source, "timings": c.timings}
                                    for c in chooser.choices.values()}}

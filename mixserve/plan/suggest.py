@@ -188,6 +188,9 @@ class Suggester:
         self.step = 0.03  # a candidate must meet the SLO 3% above the incumbent's goodput to replace it
         self.cache: dict[tuple[Config, bool], dict] = {}  # (config, on the whole trace) -> evaluate()
         self.simulations = 0
+        # the most rows the profile timed a linear at (None: a datasheet roofline, which has no table)
+        self.max_rows = (min(max(t["rows"]) for f in sm.profile["linear"].values() for t in f.values())
+                         if isinstance(sm, MeasuredModel) else None)
         self.default = self.default_config(model_kind)
         self.mean_output = sum(r.output_tokens for r in reqs) / len(reqs)
 
@@ -219,7 +222,10 @@ class Suggester:
         if dim == "max_num_seqs":
             return sorted({v for v in SEQS if v <= max(4, len(self.reqs))} | {self.default.max_num_seqs})
         if dim == "max_num_batched_tokens":
-            return sorted(set(BATCHED_TOKENS) | {self.default.max_num_batched_tokens})
+            vals = set(BATCHED_TOKENS)
+            if self.max_rows:  # a table extrapolates past its last point: no chunk budget past what was timed
+                vals = {v for v in vals if v <= self.max_rows}
+            return sorted(vals | {self.default.max_num_batched_tokens})
         if dim == "speculation":
             if self.drafter is None:
                 return [("off", 0)]

@@ -193,6 +193,8 @@ def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     prof = probe(str(path), rows=[1, 2, 4], formats=("bf16", "gguf"), repeats=1, max_context=64, log=lambda m: None)
     assert prof["overhead"]["format"] == "gguf"
+    # attention timed as the invariant engine runs it: every row, prefill ones too, on the paged kernel
+    assert prof["attention"]["invariant"] is True and prof["attention"]["decode"]["kernel"].startswith("paged")
     assert {p["seqs"] for p in prof["overhead"]["points"]} >= {1, 64}
     from mixserve.plan.hardware import overhead_engine
 
