@@ -43,7 +43,7 @@ def test_a_faster_format_is_suggested_and_the_default_is_reported():
     assert s.default["config"]["weights"] == "bf16"
     gain = s.best["predicted"]["throughput_output_tokens_per_s"] / s.default["predicted"]["throughput_output_tokens_per_s"]
     assert gain > 1.15 and s.verdict.startswith("change")
-    assert s.configurations_simulated >= 10
+    assert s.configurations_simulated >= 6
     # each runner-up names what differs and why it lost
     assert s.runners_up and all(r["reason"] and r["differs_by"] for r in s.runners_up)
     assert any("bf16" in " ".join(r["differs_by"]) for r in s.runners_up)
@@ -93,6 +93,17 @@ def test_quality_floor_excludes_a_format_over_it_or_without_a_record():
     s = suggester(profile(0.5), quality={}, floor=0.5)
     assert set(s.formats) == {"bf16"}
     assert "no eval-ppl comparison" in {x["weights"]: x["reason"] for x in s.run().excluded}["int4-awq"]
+
+
+def test_no_chunk_budget_past_the_rows_the_profile_timed():
+    s = suggester(profile(0.5))  # tables to 64 rows: every budget tried (256 up) would extrapolate
+    assert s.values("max_num_batched_tokens", s.default) == [s.default.max_num_batched_tokens]
+    prof = profile(0.5)
+    for f in prof["linear"].values():
+        for t in f.values():
+            t["rows"], t["seconds"] = t["rows"] + [1024], t["seconds"] + [t["seconds"][-1] * 16]
+    s = suggester(prof)
+    assert s.values("max_num_batched_tokens", s.default) == [256, 512, 1024, 2048]
 
 
 def test_speculation_is_searched_with_a_drafter_and_kept_off_without():
