@@ -525,6 +525,14 @@ def cmd_plan(a) -> int:
         raise ValueError(f"min_gain: must be a finite fraction >= 0 (got {a.min_gain})")
     if a.suggest and a.target_rate is not None:
         raise ValueError("target_rate: not with --suggest (it searches the replica counts of --replicas itself)")
+    if a.suggest:  # read before the trace and --measure's minutes: a bad file costs nothing
+        from mixserve.plan.measure import load_quality as _lq
+        from mixserve.plan.suggest import quality_format
+
+        a.quality_records = {}
+        for path in a.quality or []:
+            rec = _lq(path, "quality")
+            a.quality_records[quality_format(json.loads(Path(path).read_text()))] = rec
     if a.measure and a.measure_requests < 1:
         raise ValueError(f"measure_requests: must be >= 1 (got {a.measure_requests})")
     if a.measure and a.measure_max_tokens < 2:
@@ -596,17 +604,13 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
     from dataclasses import replace as dc_replace
 
     from mixserve.models.loader import is_awq_folder
-    from mixserve.plan.measure import load_quality
     from mixserve.plan.planner import parse_replicas
     from mixserve.plan.suggest import (PLANNER_ERROR, CommandContext, Config, Drafter, Suggester,
-                                       available_formats, commands, format_suggestion, quality_format)
+                                       available_formats, commands, format_suggestion)
 
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     kind = "gguf" if resolved.kind == "gguf" else ("awq" if is_awq_folder(str(resolved.path)) else "hf")
-    quality = {}
-    for path in a.quality or []:
-        rep = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
-        quality[quality_format(rep) or "bf16"] = load_quality(path)  # load_quality names a bad file
+    quality = a.quality_records
     fmts, why = available_formats(sm, kind, gguf, group_size=128, quality=quality, floor=a.max_ppl_increase)
     notes = []
     drafter = None
@@ -615,12 +619,19 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
         drafter = Drafter(a.draft_model, min(float(spec["alpha"]), 0.999), 0.0 if c != c else float(c),
                           "measured" if a.measure else "given")
     else:
-        notes.append("speculation not searched: no acceptance rate (give --spec-alpha and --spec-draft-cost for "
-                     f"--draft-model {a.draft_model}, or --measure)")
+        notes.append(f"speculation not searched: no acceptance rate for --draft-model {a.draft_model} (give --spec-alpha, "
+                     "with --spec-draft-cost for a draft model, or --measure to measure both)")
     # the context limit planned is one the model takes
     mml = min(ps.max_model_len, cfg.max_position_embeddings or ps.max_model_len)
     ps = dc_replace(ps, max_model_len=mml)
-    sug = Suggester(cfg, sm, hw, reqs, ps, fmts, drafter=drafter,
+    # the default stays the baseline even where the quality floor leaves its format out of the search
+    from mixserve.plan.cost_model import BF16
+
+    timed = getattr(sm, "tables", None)
+    default_formats = {"bf16": BF16}
+    if gguf is not None and (timed is None or "gguf" in timed):
+        default_formats["gguf"] = gguf
+    sug = Suggester(cfg, sm, hw, reqs, ps, fmts, drafter=drafter, default_formats=default_formats,
                     replicas=parse_replicas(a.replicas) if a.replicas else None, exclusions=why, model_kind=kind,
                     min_gain=PLANNER_ERROR if a.min_gain is None else a.min_gain, log=log)
     log(f"searching configurations for {len(reqs)} requests of {a.trace} ...")
@@ -959,7 +970,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure speculative acceptance alpha and draft cost on a sample of the trace with the "
                         "real engine (replaces --spec-alpha and --spec-draft-cost)")
     p.add_argument("--draft-model", default="ngram",
-                   help="with --measure: the draft to measure (a built-in name, path, or ngram for prompt lookup)")
+                   help="with --measure: the draft to measure (a built-in name, path, or ngram for prompt lookup); "
+                        "with --suggest: the drafter whose speculation is searched")
     p.add_argument("--measure-requests", type=int, default=8, help="with --measure: requests sampled from the trace")
     p.add_argument("--measure-max-tokens", type=int, default=128,
                    help="with --measure: output tokens per sampled request (at most its max_tokens)")

@@ -75,21 +75,21 @@ def measure_speculation(model: str, requests: list, draft_model: str = "ngram", 
             "engine_tokens_per_s": report["output_tokens_per_s"]}
 
 
-def load_quality(path: str | Path) -> dict:
+def load_quality(path: str | Path, flag: str = "awq_quality") -> dict:
     """Per-slice quality change from a `mixserve eval-ppl --baseline B` report:
     {slice: {"ppl", "delta", "ci95", "significant"}} (perplexity, increase over the baseline with
     its paired-bootstrap 95% interval). Raises ValueError when the file is missing, not JSON, or
-    has no comparison with a baseline."""
+    has no comparison with a baseline; its message names `flag` (the option that gave the path)."""
     p = Path(path)
     try:
         rep = json.loads(p.read_text())
     except OSError as e:
-        raise ValueError(f"awq_quality: cannot read {p} ({e.strerror or e})") from None
+        raise ValueError(f"{flag}: cannot read {p} ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"awq_quality: {p} is not JSON ({e.msg})") from None
+        raise ValueError(f"{flag}: {p} is not JSON ({e.msg})") from None
     cmp = rep.get("vs_baseline") if isinstance(rep, dict) else None
     if not isinstance(cmp, dict) or not cmp or not isinstance(rep.get("slices"), dict):
-        raise ValueError(f"awq_quality: {p} has no comparison with a baseline; make it with "
+        raise ValueError(f"{flag}: {p} has no comparison with a baseline; make it with "
                          "`mixserve eval-ppl --quantization awq --baseline BASELINE.json --output FILE`")
     num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
     out = {}
@@ -99,7 +99,7 @@ def load_quality(path: str | Path) -> dict:
               and len(c["ci95"]) == 2 and all(num(x) for x in c["ci95"]) and isinstance(c.get("significant"), bool)
               and (sl is None or isinstance(sl, dict)))
         if not ok:
-            raise ValueError(f"awq_quality: {p}: slice {name!r} is not an eval-ppl comparison (needs delta, ci95 "
+            raise ValueError(f"{flag}: {p}: slice {name!r} is not an eval-ppl comparison (needs delta, ci95 "
                              "[lo, hi] and significant under vs_baseline, and a dict under slices)")
         ppl = sl.get("ppl", math.nan) if sl else math.nan
         out[name] = {"ppl": ppl if num(ppl) else math.nan, "delta": c["delta"], "ci95": c["ci95"],

@@ -168,7 +168,8 @@ class Suggester:
     def __init__(self, cfg: ModelConfig, sm: StepModel, hw: dict, reqs: list[SimRequest], ps: PlanSettings,
                  formats: dict[str, WeightFormat], drafter: Drafter | None = None, replicas: list[int] | None = None,
                  exclusions: dict[str, str] | None = None, model_kind: str = "hf", min_gain: float = PLANNER_ERROR,
-                 search_bisect_iters: int = 4, search_requests: int | None = 64, log=print):
+                 search_bisect_iters: int = 4, search_requests: int | None = 64,
+                 default_formats: dict[str, WeightFormat] | None = None, log=print):
         if not reqs:
             raise ValueError("trace: no requests")
         if not formats:
@@ -177,6 +178,9 @@ class Suggester:
             raise ValueError(f"min_gain: must be a finite fraction >= 0 (got {min_gain})")
         self.cfg, self.sm, self.hw, self.reqs, self.ps = cfg, sm, hw, reqs, ps
         self.formats, self.drafter = formats, drafter
+        # what the engine runs by default stays the baseline even where the quality floor leaves it out
+        # of the search (default_formats: {name: WeightFormat} of formats not searched but evaluable)
+        self.eval_formats = {**(default_formats or {}), **formats}
         self.replicas = sorted(set(replicas or [1]))
         self.exclusions = dict(exclusions or {})
         self.min_gain, self.log = min_gain, log
@@ -199,12 +203,12 @@ class Suggester:
         """What `mixserve serve --model M` runs with no other flag: a GGUF natively where the
         profile times it (the engine's default where the kernel exists), an AWQ checkpoint as
         int4, else bf16; paged, prefix caching on, the settings' batch limits, no speculation."""
-        if model_kind == "gguf" and "gguf" in self.formats:
+        if model_kind == "gguf" and "gguf" in self.eval_formats:
             w = "gguf"
-        elif model_kind == "awq" and "int4-awq" in self.formats:
+        elif model_kind == "awq" and "int4-awq" in self.eval_formats:
             w = "int4-awq"
         else:
-            w = "bf16" if "bf16" in self.formats else next(iter(self.formats))
+            w = "bf16" if "bf16" in self.eval_formats else next(iter(self.formats))
         return Config(weights=w, max_num_seqs=self.ps.max_num_seqs,
                       max_num_batched_tokens=self.ps.max_num_batched_tokens)
 
@@ -250,7 +254,7 @@ class Suggester:
         spec = None
         if c.speculation[0] != "off" and self.drafter is not None:
             spec = SpecSettings(self.drafter.alpha, c.speculation[1], self.drafter.cost, c.speculation[0])
-        return Variant(c.describe(), fmt=self.formats[c.weights], allocator=c.allocator, reserve="max-tokens",
+        return Variant(c.describe(), fmt=self.eval_formats[c.weights], allocator=c.allocator, reserve="max-tokens",
                        spec=spec, prefix_caching=c.prefix_caching, replicas=c.replicas)
 
     def evaluate(self, c: Config, final: bool = False, floor_rate: float | None = None) -> dict:
@@ -306,12 +310,14 @@ class Suggester:
 
         if floor_rate is not None:
             if cap < floor_rate:
-                return {"pruned": f"its capacity ({cap:.3g} req/s) is under the goodput to beat ({floor_rate:.3g})",
+                return {"pruned": f"its capacity ({cap:.3g} req/s) is under the rate it had to meet the SLO at "
+                                  f"({floor_rate:.3g}: 3% over the best goodput found before it)",
                         "floor_rate": floor_rate, "goodput_requests_per_s": 0.0}
             lo = floor_rate
             lo_res, ok = run(lo)
             if not ok:
-                return {"pruned": f"misses the SLO at {floor_rate:.3g} req/s, a rate the suggestion meets",
+                return {"pruned": f"misses the SLO at {floor_rate:.3g} req/s (3% over the best goodput found "
+                                  "before it)",
                         "floor_rate": floor_rate, "goodput_requests_per_s": 0.0}
         else:
             lo = cap / 64
@@ -379,7 +385,9 @@ class Suggester:
                     if c == best:
                         continue
                     e = self.evaluate(c, floor_rate=self._floor(best_e))
-                    if self.score(e) > self.score(best_e):
+                    allowed_now = best.weights in self.formats
+                    # from an excluded default, the first allowed configuration is taken whatever its score
+                    if (c.weights in self.formats and not allowed_now) or self.score(e) > self.score(best_e):
                         best, best_e, moved = c, e, True
             if not moved:
                 break
@@ -402,26 +410,49 @@ class Suggester:
             found = closest
             b_e = self.evaluate(found, final=True)
         gain = self._gain(b_e, d_e)
-        use_default = found == self.default or not (gain > 1 + self.min_gain)
+        default_ok = self.default.weights in self.formats
+        if not default_ok and found == self.default:  # the search started there: move to the best allowed
+            allowed = [e for (c, f), e in self.cache.items() if not f and c.weights in self.formats]
+            found = max(allowed, key=self.score)["config"] if allowed else found
+            b_e = self.evaluate(found, final=True)
+            gain = self._gain(b_e, d_e)
+        use_default = default_ok and (found == self.default or not (gain > 1 + self.min_gain))
         chosen, chosen_e = (self.default, d_e) if use_default and slo_met else (found, b_e)
         verdict = self._verdict(chosen, chosen_e, found, b_e, d_e, gain, slo_met, use_default)
-        # runners-up: the default and the found configuration where not chosen, then, per setting,
-        # the best searched configuration that differs from the chosen one in that setting alone
-        others = ([b_e] if chosen != found else []) + ([d_e] if chosen != self.default else [])
+        # runners-up: the default and the found configuration where not chosen (whole trace, against
+        # the chosen one's whole-trace figures), then, per setting, the best searched configuration that
+        # differs from the chosen one in that setting alone (the contiguous allocator with the prefix
+        # caching and speculation it forces), against the chosen one's figures on the same search sample
+        others = [(e, chosen_e) for e in ([b_e] if chosen != found else []) + ([d_e] if chosen != self.default else [])]
+        chosen_s = self.evaluate(chosen)
         per_dim = {}
         for (c, f), e in self.cache.items():
             diff = [d for d in DIMENSIONS if getattr(c, d) != getattr(chosen, d)]
             if f or c in (found, self.default) or not diff:
                 continue
-            # the contiguous allocator brings its own prefix caching (off) and speculation limits
-            d = "allocator" if "allocator" in diff else diff[0]
-            if len(diff) > 1 and d != "allocator":
+            if "allocator" in diff:
+                if not set(diff) <= {"allocator", "prefix_caching", "speculation"}:
+                    continue
+                d = "allocator"
+            elif len(diff) == 1:
+                d = diff[0]
+            else:
                 continue
             if d not in per_dim or self.score(e) > self.score(per_dim[d]):
                 per_dim[d] = e
-        others += sorted(per_dim.values(), key=self.score, reverse=True)
-        runners = [self._runner_up(e, chosen_e, chosen == self.default) for e in others]
+        others += [(e, chosen_s) for e in sorted(per_dim.values(), key=self.score, reverse=True)]
+        runners = [self._runner_up(e, base, chosen == self.default) for e, base in others]
+        tried = {getattr(c, "speculation")[0] for c, _ in self.cache}
+        spec_note = None
+        if self.drafter is not None and chosen.speculation[0] == "off" and "speculation" not in per_dim:
+            spec_note = (f"speculation ({self.drafter.name}, alpha {self.drafter.alpha:.2f}) was searched "
+                         f"({', '.join(sorted(tried - {'off'})) or 'no'} modes) and did not pay for this mix")
+        notes = [spec_note] if spec_note else []
+        if self.ps.slo:
+            notes.append("goodput here is the highest Poisson rate whose run meets the SLO's percentiles; bench --slo "
+                         "counts the requests that meet it one by one, so the two figures differ")
         return Suggestion(
+            notes=notes,
             best=self.describe(chosen, chosen_e), default=self.describe(self.default, d_e), runners_up=runners,
             excluded=[{"weights": f, "reason": r} for f, r in sorted(self.exclusions.items())], verdict=verdict,
             slo_met=slo_met, configurations_simulated=len({c for c, _ in self.cache}),
@@ -451,6 +482,10 @@ class Suggester:
                     f"{m.get('measure', '?')} {m.get('predicted_s', math.nan) * 1e3:.0f} ms against "
                     f"{m.get('limit_s', math.nan) * 1e3:.0f} ms ({m.get('over_x', math.nan):.2f}x the limit) "
                     "when nearly unloaded; relax the SLO, or plan a faster machine")
+        if self.default.weights not in self.formats:
+            return (f"change {', '.join(chosen.differences(self.default))}: the default's weights "
+                    f"({self.default.weights}) are left out: {self.exclusions.get(self.default.weights, '?')}; "
+                    f"predicted {gain:.2f}x the default's {what}")
         if found == self.default:
             return f"the default is best: no configuration the search tried predicts a higher {what}"
         if use_default:
@@ -481,8 +516,8 @@ class Suggester:
                           "not a gain it can claim")
             else:
                 reason = f"{what} {g:.2f}x the suggestion's"
-        if not e["final"]:
-            reason += f" (searched on the trace's first {e['requests']} requests)"
+        if not e["final"] and e["requests"] < len(self.reqs):
+            reason += f" (both on the trace's first {e['requests']} requests, as searched)"
         return {"config": self._config_json(c), "differs_by": diff, "reason": reason,
                 "predicted": self._predicted(e)}
 
@@ -611,15 +646,17 @@ def format_suggestion(s: Suggestion) -> str:
 
     lines = [f"verdict: {s.verdict}", ""]
     b = s.best
-    lines.append(f"suggested: {b['config']['summary']}")
+    same = b["config"] == s.default["config"]
+    lines.append(f"suggested: {'the default, ' if same else ''}{b['config']['summary']}")
     for step in b.get("commands", {}).get("prepare", []):
         lines.append(f"  first:  {step}")
     if b.get("commands"):
         lines.append(f"  serve:  {b['commands']['serve']}")
         lines.append(f"  bench:  {b['commands']['bench']}")
     lines.append(f"  predicted: {pred_line(b['predicted'])}")
-    lines.append(f"default: {s.default['config']['summary']}")
-    lines.append(f"  predicted: {pred_line(s.default['predicted'])}")
+    if not same:
+        lines.append(f"default: {s.default['config']['summary']}")
+        lines.append(f"  predicted: {pred_line(s.default['predicted'])}")
     if s.runners_up:
         lines.append("runners-up (each with the reason it lost):")
         for r in s.runners_up:
