@@ -631,7 +631,13 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
     default_formats = {"bf16": BF16}
     if gguf is not None and (timed is None or "gguf" in timed):
         default_formats["gguf"] = gguf
-    sug = Suggester(cfg, sm, hw, reqs, ps, fmts, drafter=drafter, default_formats=default_formats,
+    if a.out:  # before the search (and --measure's minutes), not after
+        out = Path(a.out)
+        if out.is_dir():
+            raise ValueError(f"out: {out} is a folder; with --suggest --out names the JSON file to write")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.open("a").close()
+    sug = Suggester(cfg, sm, hw, reqs, ps, fmts, drafter=drafter, default_formats=default_formats, spec_k=a.spec_k,
                     replicas=parse_replicas(a.replicas) if a.replicas else None, exclusions=why, model_kind=kind,
                     min_gain=PLANNER_ERROR if a.min_gain is None else a.min_gain, log=log)
     log(f"searching configurations for {len(reqs)} requests of {a.trace} ...")

@@ -21,6 +21,7 @@ the default is best, with the reason.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field, replace
 
@@ -149,7 +150,9 @@ def quality_format(report: dict) -> str | None:
 def quality_violations(deltas: dict, floor: float) -> list[str]:
     """Slices of an eval-ppl comparison (plan/measure.load_quality's {slice: {"delta", ...}})
     whose perplexity increase is over `floor` (absolute perplexity), as "slice +delta" strings."""
-    return [f"{name} +{d['delta']:.3f}" for name, d in sorted(deltas.items()) if d["delta"] > floor]
+    # a delta that is not a number (a broken report) cannot be shown to be under the floor
+    return [f"{name} +{d['delta']:.3f}" for name, d in sorted(deltas.items())
+            if not math.isfinite(d["delta"]) or d["delta"] > floor]
 
 
 class Suggester:
@@ -169,7 +172,7 @@ class Suggester:
                  formats: dict[str, WeightFormat], drafter: Drafter | None = None, replicas: list[int] | None = None,
                  exclusions: dict[str, str] | None = None, model_kind: str = "hf", min_gain: float = PLANNER_ERROR,
                  search_bisect_iters: int = 4, search_requests: int | None = 64,
-                 default_formats: dict[str, WeightFormat] | None = None, log=print):
+                 default_formats: dict[str, WeightFormat] | None = None, spec_k: int = 8, log=print):
         if not reqs:
             raise ValueError("trace: no requests")
         if not formats:
@@ -181,6 +184,9 @@ class Suggester:
         # what the engine runs by default stays the baseline even where the quality floor leaves it out
         # of the search (default_formats: {name: WeightFormat} of formats not searched but evaluable)
         self.eval_formats = {**(default_formats or {}), **formats}
+        if not isinstance(spec_k, int) or spec_k < 1:
+            raise ValueError(f"spec_k: must be an integer >= 1 (got {spec_k!r})")
+        self.spec_k = spec_k  # the largest k tried (fixed 1, 2, 4, 8 up to it, and auto up to it)
         self.replicas = sorted(set(replicas or [1]))
         self.exclusions = dict(exclusions or {})
         self.min_gain, self.log = min_gain, log
@@ -195,6 +201,10 @@ class Suggester:
         # the most rows the profile timed a linear at (None: a datasheet roofline, which has no table)
         self.max_rows = (min(max(t["rows"]) for f in sm.profile["linear"].values() for t in f.values())
                          if isinstance(sm, MeasuredModel) else None)
+        kv_block = ps.block_size * kv_bytes_per_token(cfg)
+        if self._kv_bytes() < kv_block:
+            raise ValueError(f"kv_cache_memory: {self._kv_bytes()} bytes hold no KV block ({kv_block} bytes of "
+                             f"{ps.block_size} tokens): the engine would not start")
         self.default = self.default_config(model_kind)
         self.mean_output = sum(r.output_tokens for r in reqs) / len(reqs)
 
@@ -235,7 +245,8 @@ class Suggester:
                 return [("off", 0)]
             if at.allocator == "contiguous" and self.drafter.name != "ngram":
                 return [("off", 0)]
-            return [("off", 0)] + [("fixed", k) for k in SPEC_KS] + [("auto", max(SPEC_KS))]
+            ks = sorted({k for k in SPEC_KS if k <= self.spec_k} | {self.spec_k})
+            return [("off", 0)] + [("fixed", k) for k in ks] + [("auto", self.spec_k)]
         if dim == "replicas":
             return [n for n in self.replicas if n <= len(self.reqs)] or [1]
         raise ValueError(f"unknown dimension {dim!r}")
@@ -393,6 +404,25 @@ class Suggester:
                 break
         return best
 
+    def simplify(self, found: Config) -> Config:
+        """Undo the settings of `found` that do not pay: each one it changed from the default is set
+        back where that scores at least 99% as well on the search's sample (coordinate descent keeps
+        a move that later moves made unimportant), so the answer asks for no flag that does not matter."""
+        if found == self.default:
+            return found
+        best_e = self.evaluate(found)
+        for d in DIMENSIONS:
+            if getattr(found, d) == getattr(self.default, d):
+                continue
+            c = self.normalized(replace(found, **{d: getattr(self.default, d)}))
+            if c.weights not in self.formats and c.weights != found.weights:
+                continue
+            e = self.evaluate(c)
+            a, b = self.score(e), self.score(best_e)
+            if e["fits"] and not e.get("pruned") and a[0] >= 0.99 * b[0] and (a[0] > 0 or b[0] <= 0):
+                found, best_e = c, e
+        return found
+
     def run(self) -> Suggestion:
         """Search, then evaluate the default and the best on the whole trace; the verdict applies
         the min_gain rule. Runners-up are the searched configurations one setting away from the
@@ -400,13 +430,20 @@ class Suggester:
         import time
 
         t0 = time.perf_counter()
-        found = self.search()
+        found = self.simplify(self.search())
         d_e = self.evaluate(self.default, final=True)
+        if not d_e["fits"]:
+            raise ValueError(f"trace: none of the {len(self.reqs)} requests fits the default configuration (prompt + "
+                             f"max_tokens over max_model_len {self.ps.max_model_len}, or over the KV cache of "
+                             f"{d_e['kv_blocks'] * self.ps.block_size} tokens); raise --max-model-len or "
+                             "--kv-cache-memory")
         b_e = d_e if found == self.default else self.evaluate(found, final=True)
-        slo_met = not self.ps.slo or any(self.objective(e) > 0 for e in self.cache.values())
+        # whether the SLO is met is the whole trace's answer (the search's sample may be easier)
+        slo_met = not self.ps.slo or self.objective(b_e) > 0 or self.objective(d_e) > 0
         if self.ps.slo and not slo_met:  # nothing meets it: the closest is the one that misses it least
-            pool = [e for e in self.cache.values() if e.get("slo_miss")]
-            closest = max(pool, key=self.score)["config"] if pool else found
+            pool = [e for e in (b_e, d_e) if e.get("slo_miss")]
+            pool += [e for e in self.cache.values() if e.get("slo_miss") and not e["final"]]
+            closest = min(pool, key=lambda e: e["slo_miss"]["over_x"])["config"] if pool else found
             found = closest
             b_e = self.evaluate(found, final=True)
         gain = self._gain(b_e, d_e)
@@ -448,6 +485,15 @@ class Suggester:
             spec_note = (f"speculation ({self.drafter.name}, alpha {self.drafter.alpha:.2f}) was searched "
                          f"({', '.join(sorted(tried - {'off'})) or 'no'} modes) and did not pay for this mix")
         notes = [spec_note] if spec_note else []
+        for name, e in (("suggestion", chosen_e), ("default", d_e)):
+            if e["rejected"]:
+                notes.append(f"{e['rejected']} of {len(self.reqs)} requests never fit the {name} (prompt + max_tokens "
+                             f"over max_model_len {self.ps.max_model_len} or over the KV cache): the engine would "
+                             "refuse them, and its figures leave them out")
+        if chosen.replicas > 1:
+            notes.append(f"{chosen.replicas} replicas are predicted as {chosen.replicas} engines, each with the whole "
+                         "of the --hardware machine: serve them on that many machines (serve --replicas with "
+                         "--ray-address of a cluster); on this one host they would share its cores")
         if self.ps.slo:
             notes.append("goodput here is the highest Poisson rate whose run meets the SLO's percentiles; bench --slo "
                          "counts the requests that meet it one by one, so the two figures differ")
@@ -479,8 +525,8 @@ class Suggester:
         if not slo_met:
             m = chosen_e.get("slo_miss") or {}
             return (f"no configuration meets the SLO: the closest ({chosen.describe()}) predicts "
-                    f"{m.get('measure', '?')} {m.get('predicted_s', math.nan) * 1e3:.0f} ms against "
-                    f"{m.get('limit_s', math.nan) * 1e3:.0f} ms ({m.get('over_x', math.nan):.2f}x the limit) "
+                    f"{m.get('measure', '?')} {_ms(m.get('predicted_s', math.nan))} against "
+                    f"{_ms(m.get('limit_s', math.nan))} ({m.get('over_x', math.nan):.3g}x the limit) "
                     "when nearly unloaded; relax the SLO, or plan a faster machine")
         if self.default.weights not in self.formats:
             return (f"change {', '.join(chosen.differences(self.default))}: the default's weights "
@@ -500,17 +546,18 @@ class Suggester:
         diff = c.differences(best["config"]) or ["the same settings"]
         what = "goodput" if self.ps.slo else "output throughput"
         if not e["fits"]:
-            reason = f"no request fits ({e['rejected']} refused): its KV reservation is over the cache"
+            reason = (f"no request fits ({e['rejected']} refused): prompt + max_tokens over max_model_len or its KV "
+                      "reservation over the cache")
         elif e.get("pruned"):
             reason = e["pruned"]
         elif self.ps.slo and self.objective(e) <= 0:
             m = e.get("slo_miss") or {}
             reason = (f"misses the SLO even nearly unloaded: {m.get('measure')} "
-                      f"{m.get('predicted_s', math.nan) * 1e3:.0f} ms > {m.get('limit_s', math.nan) * 1e3:.0f} ms")
+                      f"{_ms(m.get('predicted_s', math.nan))} > {_ms(m.get('limit_s', math.nan))}")
         else:
             g = self._gain(e, best)
             if abs(g - 1) < 0.01:
-                reason = f"no difference predicted ({what} {g:.2f}x): the setting does not matter for this mix"
+                reason = f"ties with the chosen value ({what} {g:.2f}x)"
             elif g > 1 and kept_default:
                 reason = (f"{what} {g:.2f}x the default's, within the planner's error of {self.min_gain:.0%}: "
                           "not a gain it can claim")
@@ -540,6 +587,7 @@ class Suggester:
             if k in e:
                 p[name or k] = e[k]
         p["requests_simulated"] = e["requests"]
+        p["requests_refused"] = e["rejected"]
         return p
 
     def describe(self, c: Config, e: dict) -> dict:
@@ -570,6 +618,13 @@ class CommandContext:
     model_kind: str = "hf"
 
 
+def _ms(seconds: float) -> str:
+    """Seconds as ms text, in us below a millisecond (an SLO of 1 us is not "0 ms")."""
+    if seconds != seconds:
+        return "nan ms"
+    return f"{seconds * 1e6:.0f} us" if abs(seconds) < 1e-3 else f"{seconds * 1e3:.0f} ms"
+
+
 def _dur(seconds: float) -> str:
     return f"{seconds * 1e3:g}ms" if seconds < 1 else f"{seconds:g}s"
 
@@ -585,9 +640,9 @@ def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_ra
     prepare = []
     eng: list[str] = []
     if c.weights == "int4-awq" and ctx.model_kind != "awq":
-        out = f"awq-{shlex.quote(model).replace('/', '_')}"
-        prepare.append(f"mixserve quantize --model {shlex.quote(model)} --method awq --group-size {ctx.group_size} "
-                       f"--out {out}")
+        out = "awq-" + re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_")
+        prepare.append(shlex.join(["mixserve", "quantize", "--model", model, "--method", "awq", "--group-size",
+                                   str(ctx.group_size), "--out", out]))
         model = out
     eng += ["--model", model]
     if ctx.dtype:

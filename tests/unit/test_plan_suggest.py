@@ -211,3 +211,28 @@ def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables
 
     eng = overhead_engine(str(path), torch.float32, gguf_weights="dequantize", context=256)
     assert engine_format(eng.model, str(path)).name == "bf16"
+
+
+def test_break_it_findings():
+    """A helper's break-it round on --suggest (issue 34)."""
+    # the SLO is the whole trace's answer: a search sample of short requests met it, the long rest does not
+    trace = [SimRequest(10, 8, 0.0, "s")] * 4 + [SimRequest(3000, 8, 0.0, "l")] * 20
+    sm = MeasuredModel(CFG, profile(0.5))
+    fmts, why = available_formats(sm, "hf", None)
+    ps = PlanSettings(slo=parse_slo("ttft_p90=1s"), kv_bytes=1 << 30, bisect_iters=4)
+    res = Suggester(CFG, sm, {}, trace, ps, fmts, exclusions=why, search_requests=4).run()
+    assert not res.slo_met and res.verdict.startswith("no configuration meets the SLO")
+    # no request fits: an error, not an answer about nothing
+    with pytest.raises(ValueError, match="none of the"):
+        Suggester(CFG, sm, {}, reqs(), replace(ps, max_model_len=8), fmts, search_requests=None).run()
+    # a KV budget under one block: the engine would not start, so no command is printed for it
+    with pytest.raises(ValueError, match="hold no KV block"):
+        Suggester(CFG, sm, {}, reqs(), replace(ps, kv_bytes=1024), fmts)
+    # a NaN perplexity change is not under any floor
+    nan = {"code": {"delta": float("nan"), "ci95": [0.0, 0.1], "significant": False}}
+    fmts, why = available_formats(sm, "hf", None, quality={"int4-rtn": nan, "int4-awq": nan}, floor=0.3)
+    assert set(fmts) == {"bf16"} and "code" in why["int4-rtn"]
+    # an AWQ folder made from a path with a space: prepare writes what serve reads
+    c = commands(Config(weights="int4-awq"), CommandContext(model="/data/my model", trace="t.jsonl"), None)
+    out = shlex.split(c["prepare"][0])[-1]
+    assert out == "awq-data_my_model" and shlex.split(c["serve"])[shlex.split(c["serve"]).index("--model") + 1] == out
