@@ -112,6 +112,20 @@ def with_poisson_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> lis
     return out
 
 
+def bisect_rate(probe, lo: float, lo_res, hi: float, iters: int):
+    """Geometric bisection between a rate `lo` (requests/s) that meets the SLO (its result `lo_res`)
+    and a rate `hi` that misses it, `iters` steps; probe(rate) -> (result, meets). Returns the
+    highest rate found to meet it and its result."""
+    for _ in range(iters):
+        mid = math.sqrt(lo * hi)
+        res, ok = probe(mid)
+        if ok:
+            lo, lo_res = mid, res
+        else:
+            hi = mid
+    return lo, lo_res
+
+
 class Planner:
     """Simulates `reqs` under variants of one engine configuration.
 
@@ -172,14 +186,7 @@ class Planner:
         hi_res, ok = probe(cap)
         if ok:
             return {"rate": cap, "limit": "capacity", "result": hi_res, "curve": sorted(curve)}
-        hi = cap
-        for _ in range(self.ps.bisect_iters):
-            mid = math.sqrt(lo * hi)
-            res, ok = probe(mid)
-            if ok:
-                lo, lo_res = mid, res
-            else:
-                hi = mid
+        lo, lo_res = bisect_rate(probe, lo, lo_res, cap, self.ps.bisect_iters)
         return {"rate": lo, "limit": "slo", "result": lo_res, "curve": sorted(curve)}
 
     def single_stream_tpot(self, v: Variant) -> float:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token
-from mixserve.plan.planner import PlanSettings, Planner, Variant
+from mixserve.plan.planner import PlanSettings, Planner, Variant, bisect_rate
 from mixserve.plan.simulator import SimRequest, SpecSettings
 from mixserve.plan.step_time import MeasuredModel, StepModel
 
@@ -339,14 +339,7 @@ class Suggester:
         hi_res, ok = run(cap)
         if ok:
             return found(cap, hi_res, "capacity")
-        hi = cap
-        for _ in range(iters):
-            mid = math.sqrt(lo * hi)
-            res, ok = run(mid)
-            if ok:
-                lo, lo_res = mid, res
-            else:
-                hi = mid
+        lo, lo_res = bisect_rate(run, lo, lo_res, cap, iters)
         return found(lo, lo_res, "slo")
 
     def slo_miss(self, report: dict) -> dict:

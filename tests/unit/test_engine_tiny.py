@@ -30,6 +30,28 @@ def make_tiny(tmp_path, arch: str, tie: bool):
     return str(folder), model
 
 
+def make_tiny_smol(folder, smollm2_path, max_positions: int = 2048) -> str:
+    """A tiny random Qwen2 model in `folder` with SmolLM2's vocabulary and tokenizer files (tests that
+    need text: structured output, traces of prompt lengths)."""
+    import os
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mixserve.models.weights import load_tokenizer
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
+    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
+    src = load_tokenizer(smollm2_path).name_or_path
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(f"{src}/{f}"):
+            shutil.copy(f"{src}/{f}", folder / f)
+    return str(folder)
+
+
 def prompts(n, seed=0, lo=3, hi=40):
     rng = random.Random(seed)
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -1,16 +1,13 @@
 """plan --suggest (issue 34): the search, its answer's rules, and command lines the engine runs, on
 made-up profiles and a tiny random model with SmolLM2's tokenizer."""
 import json
-import os
 import shlex
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
 from mixserve.cli import build_parser, engine_args, main
-from mixserve.plan.cost_model import WeightFormat
 from mixserve.plan.planner import PlanSettings, parse_slo
 from mixserve.plan.simulator import SimRequest
 from mixserve.plan.step_time import MeasuredModel
@@ -135,21 +132,9 @@ def test_commands_pin_the_format(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.unit.test_engine_tiny import make_tiny_smol
 
-    from mixserve.models.weights import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("sg") / "tiny-suggest"
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
-    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
-    src = load_tokenizer(smollm2_path).name_or_path
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if os.path.exists(f"{src}/{f}"):
-            shutil.copy(f"{src}/{f}", folder / f)
-    return str(folder)
+    return make_tiny_smol(tmp_path_factory.mktemp("sg") / "tiny-suggest", smollm2_path, max_positions=1024)
 
 
 def test_suggest_cli_prints_commands_the_engine_runs(tiny, tmp_path, capsys):

@@ -7,7 +7,6 @@ mixed batches) must give the same tokens as the plain path.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 
@@ -39,21 +38,9 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tests.unit.test_engine_tiny import make_tiny_smol
 
-    from mixserve.models.weights import load_tokenizer
-
-    folder = tmp_path_factory.mktemp("so") / "tiny-smol-vocab"
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, initializer_range=0.3, eos_token_id=2, bos_token_id=1)
-    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(folder)
-    src = load_tokenizer(smollm2_path).name_or_path
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if os.path.exists(f"{src}/{f}"):
-            shutil.copy(f"{src}/{f}", folder / f)
-    return str(folder)
+    return make_tiny_smol(tmp_path_factory.mktemp("so") / "tiny-smol-vocab", smollm2_path)
 
 
 @pytest.fixture(scope="module")
