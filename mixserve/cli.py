@@ -600,7 +600,7 @@ def cmd_plan(a) -> int:
 
 
 def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
-    """plan --suggest: search the engine's configurations, print the answer (plan/suggest.py)."""
+    """plan --suggest: search the engine's configurations, print the answer (plan/suggest/)."""
     from dataclasses import replace as dc_replace
 
     from mixserve.models.loader import is_awq_folder
@@ -995,7 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-blocks", type=int, default=4, help="with --replicas: KV blocks of the prompt its route keys cover")
     p.add_argument("--target-rate", type=float, default=None,
                    help="with --replicas: requests/s to serve; the plan names the fewest replicas meeting the SLO")
-    g = p.add_argument_group("--suggest: choose the engine's flags for this mix (plan/suggest.py)")
+    g = p.add_argument_group("--suggest: choose the engine's flags for this mix (plan/suggest/)")
     g.add_argument("--suggest", action="store_true",
                    help="search weight format, allocator, --max-num-seqs, --max-num-batched-tokens, prefix caching, "
                         "speculation (with --spec-alpha or --measure) and --replicas' counts by simulation; print the "
