@@ -652,7 +652,7 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
                          output_len_cap=a.output_len_cap, max_prompt_len=a.max_prompt_len,
                          conversations_at_once=a.conversations_at_once,
                          dtype=dtype if dtype in ("bfloat16", "float32") else None,
-                         kv_cache_memory=a.kv_cache_memory or _bytes_flag(sug._kv_bytes()), max_model_len=mml,
+                         kv_cache_memory=a.kv_cache_memory or _bytes_flag(sug.kv_bytes), max_model_len=mml,
                          slo=ps.slo, model_kind=kind)
     for part in [res.best, res.default]:
         c = part["config"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token
-from mixserve.plan.planner import PlanSettings, Planner, Variant, bisect_rate
+from mixserve.plan.planner import PlanSettings, Planner, Variant, bisect_rate, kv_budget
 from mixserve.plan.simulator import SimRequest, SpecSettings
 from mixserve.plan.step_time import MeasuredModel, StepModel
 from mixserve.plan.suggest.space import (BATCHED_TOKENS, DIMENSIONS, PLANNER_ERROR, SEQS, SPEC_KS, Config,
@@ -82,9 +82,11 @@ class Suggester:
         # the most rows the profile timed a linear at (None: a datasheet roofline, which has no table)
         self.max_rows = (min(max(t["rows"]) for f in sm.profile["linear"].values() for t in f.values())
                          if isinstance(sm, MeasuredModel) else None)
+        # the KV cache every configuration gets (bytes): the format-independent budget of the settings
+        self.kv_bytes = kv_budget(cfg, sm, ps, BF16, hw)
         kv_block = ps.block_size * kv_bytes_per_token(cfg)
-        if self._kv_bytes() < kv_block:
-            raise ValueError(f"kv_cache_memory: {self._kv_bytes()} bytes hold no KV block ({kv_block} bytes of "
+        if self.kv_bytes < kv_block:
+            raise ValueError(f"kv_cache_memory: {self.kv_bytes} bytes hold no KV block ({kv_block} bytes of "
                              f"{ps.block_size} tokens): the engine would not start")
         self.default = self.default_config(model_kind)
         self.mean_output = sum(r.output_tokens for r in reqs) / len(reqs)
@@ -353,7 +355,7 @@ class Suggester:
                 per_dim[d] = e
         others += [(e, chosen_s) for e in sorted(per_dim.values(), key=self.score, reverse=True)]
         runners = [self._runner_up(e, base, chosen == self.default) for e, base in others]
-        tried = {getattr(c, "speculation")[0] for c, _ in self.cache}
+        tried = {c.speculation[0] for c, _ in self.cache}
         spec_note = None
         if self.drafter is not None and chosen.speculation[0] == "off" and "speculation" not in per_dim:
             spec_note = (f"speculation ({self.drafter.name}, alpha {self.drafter.alpha:.2f}) was searched "
@@ -377,16 +379,11 @@ class Suggester:
             excluded=[{"weights": f, "reason": r} for f, r in sorted(self.exclusions.items())], verdict=verdict,
             slo_met=slo_met, configurations_simulated=len({c for c, _ in self.cache}),
             search_seconds=time.perf_counter() - t0,
-            settings={"slo": self.ps.slo, "min_gain": self.min_gain, "kv_cache_bytes": self._kv_bytes(),
+            settings={"slo": self.ps.slo, "min_gain": self.min_gain, "kv_cache_bytes": self.kv_bytes,
                       "simulations": self.simulations, "search_requests": len(self.search_reqs),
                       "drafter": None if self.drafter is None else vars(self.drafter),
                       "objective": "goodput (the highest request rate whose percentiles meet the SLO)" if self.ps.slo
                       else "output tokens/s (every request at t = 0, as bench)"})
-
-    def _kv_bytes(self) -> int:
-        from mixserve.plan.planner import kv_budget
-
-        return kv_budget(self.cfg, self.sm, self.ps, BF16, self.hw)
 
     def _gain(self, e: dict, base: dict) -> float:
         a, b = self.objective(e), self.objective(base)
@@ -453,7 +450,7 @@ class Suggester:
     def _predicted(self, e: dict) -> dict:
         p = {"throughput_output_tokens_per_s": e["throughput_output_tokens_per_s"],
              "ttft_s": e["offline"]["ttft_s"], "tpot_s": e["offline"]["tpot_s"],
-             "kv_peak_bytes": e["kv_peak_bytes"], "kv_cache_bytes": self._kv_bytes(),
+             "kv_peak_bytes": e["kv_peak_bytes"], "kv_cache_bytes": self.kv_bytes,
              "preemptions": e["preemptions"], "prefix_hit_rate": e["prefix_hit_rate"]}
         for k, name in (("goodput_requests_per_s", None), ("goodput_output_tokens_per_s", None),
                         ("rate_limit", None), ("at_rate", "at_goodput_rate"), ("kv_peak_bytes_at_rate", None),

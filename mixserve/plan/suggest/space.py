@@ -13,7 +13,6 @@ from mixserve.plan.step_time import MeasuredModel, StepModel
 # is not a gain the planner can claim.
 PLANNER_ERROR = 0.15
 
-FORMATS = ("bf16", "gguf", "int4-rtn", "int4-awq")
 SEQS = (4, 8, 16, 32, 64, 128, 256)
 BATCHED_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 SPEC_KS = (1, 2, 4, 8)
