@@ -2,7 +2,7 @@
 
 For each (tensor kind, GGUF type) of the model's file, one real tensor is repacked into the native
 layout and timed at --rows activation rows (default 8, 64, 512) the two ways a GGUFLinear can run
-them: the native int8-activation kernel at the engine's levels (what `--batch-invariant on` runs at
+them: the native integer kernel at the engine's levels (what `--batch-invariant on` runs at
 every row count; ACT_LEVELS int8 rows per row) and the weight dequantized to bfloat16 once, then
 F.linear (what `off` runs above its measured switch; the dequantization is not timed), each timed by
 kernel_choice.time_calls on the same copy (the median of passes), in one process; a ratio > 1 means the

@@ -4,8 +4,8 @@
 For each (tensor kind, GGUF type) of the model's file, one real tensor is repacked into the native
 layout (as many copies as make ~96 MB, taken in turn, so the weights come from memory as in a
 decode step) and timed at --rows activation rows with the engine's int8 levels (ACT_LEVELS per
-row; the LM head's three) both ways: the streaming passes (`run` / `run_wide`, up to 8 int8 rows a
-pass) and the many-row kernel (tiles unpacked into a scratch buffer), switched by
+row; the LM head's three) both ways: the few-row kernel's streaming passes (4 int16 rows a pass) and
+the many-row kernel (tiles unpacked to int16 in a scratch buffer), switched by
 `gguf_kernels.set_wide_rows`; the two outputs are checked to be the same bits. Each point is
 kernel_choice.time_calls' median; the two ways are alternated `--rounds` times in one process.
 
@@ -51,7 +51,6 @@ def main() -> None:
         levels = 3 if kind == "token_embd" else gguf_linear.ACT_LEVELS  # the tied LM head's levels
         k, n = int(t.shape[0]), int(t.shape[1])
         w = GGUFWeight.from_blocks(tt, np.asarray(t.data), k)
-        w.prefetch = -1  # one row a pass, the engine's default choice
         copies = [w] + [GGUFWeight.from_blocks(tt, np.asarray(t.data), k) for _ in range(max(0, int(96e6 // w.nbytes()) - 1))]
         for c in copies:
             c.prefetch = -1

@@ -74,7 +74,7 @@ class EngineArgs:
         model whose LM head is stored dense; it is a quarter of the 1.5B's decode bytes in int4.
         None (the default): on for int4 models; False keeps the head in the compute dtype.
     gguf_weights: for a GGUF model, "native" (its quantized tensors as stored, run by the
-        int8-activation kernel, layers/gguf_kernels.py) or "dequantize" (a float32 copy dequantized
+        integer kernel, layers/gguf_kernels.py) or "dequantize" (a float32 copy dequantized
         once, cast to dtype: the reference); None (the default): native where the kernel exists
         and no quantization is asked for. The draft model follows the same setting.
     kv_allocator: "paged" (blocks on demand, PagedAttention) or "contiguous" (the baseline before

@@ -10,7 +10,7 @@ found, and what this mode does about it:
   count (on the AVX2 EPYC, F.linear float32: M = 1 | 2-3 | 4+). Every dense linear (LM head
   included, float32 logits straight from the accumulator) runs `layers/invariant_linear.py`,
   whose rows are computed by the same operations at any row count;
-- row-count switches: an int4 / GGUF layer's int8-activation kernel below a measured row count,
+- row-count switches: an int4 / GGUF layer's integer kernel below a measured row count,
   bf16 dequantize + GEMM above it, and the float32 head's three-level kernel against a float32
   dequantize + GEMM. The switches are off: the few-row kernel (whose rows are computed alike in
   tiles of 1-4) runs at every row count, and a torch-layout int4 head dequantizes to float32 for

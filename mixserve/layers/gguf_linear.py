@@ -39,40 +39,32 @@ if _LEVELS_ENV != str(ACT_LEVELS):
     logging.getLogger("mixserve").warning("MIXSERVE_GGUF_ACT_LEVELS=%r is not 1-4: using 2", _LEVELS_ENV)
 
 
-def _steps(q: np.ndarray, group: int) -> list[np.ndarray]:
-    """q uint8 [N, K] -> the kernel's step order (layers/gguf_kernels.py): blocks of 16 groups, in
-    each step i byte 4l + j = channel l*G + 4i + j; [N, blocks, G/4, 64] for the full blocks and
-    [N, 1, G/4, 4t] for a tail of t < 16 groups."""
-    n, k = q.shape
-    ng = k // group
-    full, t = divmod(ng, 16)
-    out = []
-    if full:
-        out.append(q[:, :full * 16 * group].reshape(n, full, 16, group // 4, 4).transpose(0, 1, 3, 2, 4)
-                   .reshape(n, full, group // 4, 64))
-    if t:
-        out.append(q[:, full * 16 * group:].reshape(n, 1, t, group // 4, 4).transpose(0, 1, 3, 2, 4)
-                   .reshape(n, 1, group // 4, 4 * t))
-    return out
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
 
 
-def _nibble_plane(parts: list[np.ndarray], group: int) -> np.ndarray:
-    """Step-ordered nibbles -> uint8 [N, K/2]: step p in the low nibble, step p + G/8 in the high."""
-    h = group // 8
-    n = parts[0].shape[0]
-    return np.concatenate([((a[:, :, :h] & 15) | ((a[:, :, h:] & 15) << 4)).reshape(n, -1) for a in parts], axis=1)
-
-
-def _bit_planes(parts: list[np.ndarray], hb: int) -> np.ndarray:
-    """Bits 4 .. 4 + hb - 1 of step-ordered integers -> uint8 [N, blocks * G/4 * hb * 8]: per step
-    and plane a 64-bit little-endian mask, bit 4l + j for lane l byte j (a tail's lanes zero)."""
-    n = parts[0].shape[0]
-    out = []
-    for a in parts:
-        a = np.pad(a, ((0, 0), (0, 0), (0, 0), (0, 64 - a.shape[-1]))) if a.shape[-1] < 64 else a
-        bits = np.stack([(a >> (4 + h)) & 1 for h in range(hb)], axis=3)  # [N, B, G/4, hb, 64]
-        out.append(np.packbits(bits, axis=-1, bitorder="little").reshape(n, -1))
-    return np.concatenate(out, axis=1)
+def _panel_planes(f: gguf_blocks.Fields, hb: int) -> dict[str, np.ndarray]:
+    """A tensor's Fields in the 16-row panel layout layers/gguf_src.py describes: lo and hi (uint8),
+    d, sc, dm, mn ([panels, K/S * 16] or [panels, K/G * 16], lane fastest); rows padded with zeros
+    to whole panels."""
+    n, k = f.q.shape
+    g, npan = f.group, -(-n // 16)
+    ng, h = k // g, g // 8
+    t = _pad_rows(f.q, npan * 16).reshape(npan, 16, ng, g // 4, 4).transpose(0, 2, 3, 1, 4)  # [P, ng, G/4, 16, 4]
+    out = {"lo": ((t[:, :, :h] & 15) | ((t[:, :, h:] & 15) << 4)).reshape(npan, -1)}
+    if hb == 4:
+        out["hi"] = ((t[:, :, :h] >> 4) | ((t[:, :, h:] >> 4) << 4)).reshape(npan, -1)
+    elif hb:
+        bits = (t >> 4) & ((1 << hb) - 1)
+        hi = np.zeros((npan, ng, 16, 4), np.uint8)
+        for step in range(g // 4):
+            hi |= (bits[:, :, step] << (hb * step)).astype(np.uint8)
+        out["hi"] = hi.reshape(npan, -1)
+    for name in ("d", "sc", "dm", "mn"):
+        v = getattr(f, name)
+        if v is not None:
+            out[name] = _pad_rows(v, npan * 16).reshape(npan, 16, -1).transpose(0, 2, 1).reshape(npan, -1)
+    return {name: np.ascontiguousarray(v) for name, v in out.items()}
 
 
 def require_kernel() -> None:
@@ -86,9 +78,9 @@ def require_kernel() -> None:
 class GGUFWeight:
     """One GGUF tensor [N, K] (N output rows, K input channels) in the native layout.
 
-    Built with `from_blocks`; `qtype` is the GGUF type name ("Q4_K", ...). Tensors (all
-    [N, ...], row-major, so rows can be concatenated and permuted): lo, hi, d, sc, dm, mn as in
-    layers/gguf_kernels.py (empty where the type has none). Only these stay resident.
+    Built with `from_blocks`; `qtype` is the GGUF type name ("Q4_K", ...). Tensors, each
+    [panels, bytes or values a panel] in 16-row panels (layers/gguf_src.py): lo, hi, d, sc, dm, mn
+    (empty where the type has none). Only these stay resident.
     """
 
     TENSORS = ("lo", "hi", "d", "sc", "dm", "mn")
@@ -98,11 +90,15 @@ class GGUFWeight:
         # modules that run it (GGUFLinear, GGUFEmbedding) and random_weight ask for it
         self.qtype, self.out_features, self.in_features = qtype, n, k
         self.group, self.superblock, self.hb, self.zero = group, superblock, hb, zero
-        # the few-row kernel's pass (chosen by timing): >= 0, two weight rows a pass prefetching that many
-        # row pairs ahead (0: the hardware's prefetch alone); < 0, one row a pass, -prefetch - 1 pairs ahead
-        self.prefetch = -1
+        # the few-row kernel's software prefetch, in 64-byte lines ahead of its stream (0: the
+        # hardware's prefetch alone), chosen by timing
+        self.prefetch = 0
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
+
+    @property
+    def panels(self) -> int:
+        return -(-self.out_features // 16)
 
     @classmethod
     def from_blocks(cls, qtype: str, blocks: np.ndarray, k: int) -> "GGUFWeight":
@@ -112,48 +108,64 @@ class GGUFWeight:
             raise ValueError(f"GGUF type {qtype} has no native kernel (native: {', '.join(NATIVE_TYPES)})")
         n = blocks.shape[0]
         f = gguf_blocks.parse(qtype, blocks, k)
-        steps = _steps(f.q, f.group)
         hb = {4: 0, 5: 1, 6: 2, 8: 4}[f.bits]
-        if hb == 4:
-            hi = _nibble_plane([a >> 4 for a in steps], f.group)
-        elif hb:
-            hi = _bit_planes(steps, hb)
-        else:
-            hi = np.empty(0, np.uint8)
-        c = np.ascontiguousarray
-        t = {"lo": torch.from_numpy(_nibble_plane(steps, f.group)), "hi": torch.from_numpy(c(hi)),
-             "d": torch.from_numpy(c(f.d)),
-             "sc": torch.from_numpy(c(f.sc)) if f.sc is not None else torch.empty(0, dtype=torch.int8),
-             "dm": torch.from_numpy(c(f.dm)) if f.dm is not None else torch.empty(0, dtype=torch.float16),
-             "mn": torch.from_numpy(c(f.mn)) if f.mn is not None else _EMPTY_U8}
+        planes = _panel_planes(f, hb)
+        empty = {"lo": _EMPTY_U8, "hi": _EMPTY_U8, "d": torch.empty(0, dtype=torch.float16),
+                 "sc": torch.empty(0, dtype=torch.int8), "dm": torch.empty(0, dtype=torch.float16), "mn": _EMPTY_U8}
+        t = {name: torch.from_numpy(planes[name]) if name in planes else empty[name] for name in cls.TENSORS}
         return cls(qtype, n, k, t, f.group, f.superblock, hb, f.zero)
+
+    def _geometry(self, name: str) -> tuple[int, int]:
+        """A plane's panel as [X, 16 lanes, Y]."""
+        k, g = self.in_features, self.group
+        if name == "lo" or (name == "hi" and self.hb == 4):
+            return k // 8, 4
+        if name == "hi":
+            return k // g, 4
+        return (k // self.superblock if name in ("d", "dm") else k // g), 1
+
+    def _rows(self, name: str) -> torch.Tensor:
+        """A plane row by row: [N, X * Y]."""
+        v = getattr(self, name)
+        x, y = self._geometry(name)
+        return v.view(self.panels, x, 16, y).permute(0, 2, 1, 3).reshape(self.panels * 16, x * y)[: self.out_features]
+
+    @staticmethod
+    def _from_rows(rows: torch.Tensor, x: int, y: int) -> torch.Tensor:
+        n = rows.shape[0]
+        npan = -(-n // 16)
+        if npan * 16 > n:
+            rows = torch.cat([rows, rows.new_zeros(npan * 16 - n, rows.shape[1])])
+        return rows.view(npan, 16, x, y).permute(0, 2, 1, 3).reshape(npan, -1).contiguous()
+
+    def _with_rows(self, planes: dict, n: int) -> "GGUFWeight":
+        t = {name: self._from_rows(planes[name], *self._geometry(name)) if name in planes else getattr(self, name)
+             for name in self.TENSORS}
+        return GGUFWeight(self.qtype, n, self.in_features, t, self.group, self.superblock, self.hb, self.zero)
 
     @staticmethod
     def concat(parts: list["GGUFWeight"]) -> "GGUFWeight":
         """Parts of one type and input size stacked along the output rows."""
         a = parts[0]
-        t = {name: torch.cat([getattr(p, name) for p in parts]) if getattr(a, name).numel() else getattr(a, name)
-             for name in GGUFWeight.TENSORS}
-        return GGUFWeight(a.qtype, sum(p.out_features for p in parts), a.in_features, t, a.group, a.superblock,
-                          a.hb, a.zero)
+        planes = {name: torch.cat([p._rows(name) for p in parts]) for name in GGUFWeight.TENSORS
+                  if getattr(a, name).numel()}
+        return a._with_rows(planes, sum(p.out_features for p in parts))
 
     def permute_rows(self, index: torch.Tensor) -> "GGUFWeight":
         """The same weight with its output rows reordered (w'[i] = w[index[i]])."""
-        t = {name: getattr(self, name)[index].contiguous() if getattr(self, name).numel() else getattr(self, name)
-             for name in self.TENSORS}
-        return GGUFWeight(self.qtype, self.out_features, self.in_features, t, self.group, self.superblock,
-                          self.hb, self.zero)
+        planes = {name: self._rows(name)[index] for name in self.TENSORS if getattr(self, name).numel()}
+        return self._with_rows(planes, self.out_features)
 
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.TENSORS)
 
     def _args(self):
-        return (self.lo, self.hi, self.d, self.sc, self.dm, self.mn, self.group, self.superblock, self.hb,
-                float(self.zero))
+        return (self.lo, self.hi, self.d, self.sc, self.dm, self.mn, self.out_features, self.group, self.superblock,
+                self.hb, float(self.zero))
 
     def matmul(self, x: torch.Tensor, levels: int = 1) -> torch.Tensor:
-        """x [R, K] (any float dtype) -> float32 [R, N]: the effective weights times x quantized to
-        int8 per 32 channels (`levels` int8 rows per row, 1-4)."""
+        """x [R, K] (any float dtype) -> float32 [R, N]: the effective weights times x quantized per
+        32 channels to `levels` int8 levels (1-4; two make one int16 row, layers/gguf_src.py)."""
         return torch.ops.mixserve.gguf_matmul(x.float().contiguous(), *self._args(), levels, self.prefetch)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
@@ -318,14 +330,14 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
     return rotating_copies(make, lin.weight_bytes())
 
 
-# the `gguf_pass` candidates (GGUFWeight.prefetch): two rows a pass at five prefetch distances, one
-# row a pass at three
-PREFETCH_PAIRS = (0, 2, 4, 8, 16, -1, -3, -9)
+# the `gguf_prefetch` candidates (GGUFWeight.prefetch): 64-byte lines ahead of the few-row kernel's
+# stream (0: the hardware prefetcher alone)
+PREFETCH_LINES = (0, 8, 32)
 
 
 def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
-    """Timers for kernel_choice's `gguf_pass` choice: seconds per 1-row call of the native kernel on
-    random weights of w's type and shape with each of PREFETCH_PAIRS (GGUFWeight.prefetch)."""
+    """Timers for kernel_choice's `gguf_prefetch` choice: seconds per 1-row call of the native kernel
+    on random weights of w's type and shape with each of PREFETCH_LINES (GGUFWeight.prefetch)."""
     from mixserve.layers.kernel_choice import time_calls
 
     mods: list = []
@@ -340,7 +352,7 @@ def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
                 m.parts[0].prefetch = pf
             return time_calls(mods, lambda m: m(x))
         return run
-    return {str(pf): timer(pf) for pf in PREFETCH_PAIRS}
+    return {str(pf): timer(pf) for pf in PREFETCH_LINES}
 
 
 # Row counts at which the native kernel and dequantize + dense GEMM are timed to place the switch
@@ -382,11 +394,11 @@ def float_head_candidates(lin: GGUFLinear) -> dict:
 def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
     """Set `lin`'s prefetch distances and row switch to the chooser's picks (measured once per
     machine and cached, layers/kernel_choice.py); switches=False (batch-invariant mode) leaves
-    the row switches off: the int8-activation kernel at every row count."""
+    the row switches off: the integer kernel at every row count."""
     dt = str(lin.dtype).removeprefix("torch.")
     for p in lin.parts:
-        p.prefetch = int(chooser.choose(f"gguf_pass/{p.qtype}/{p.out_features}x{p.in_features}",
-                                        prefetch_candidates(p, lin.dtype), "-1"))
+        p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
+                                        prefetch_candidates(p, lin.dtype), "0"))
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}"
     if not switches:
         lin.dense_rows = lin.float_dense_rows = None
@@ -400,7 +412,7 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
 
 def summarize(model: nn.Module) -> str | None:
     """Per GGUF block type in `model`: how many tensors, the kernel and the measured choices, e.g.
-    "Q4_K x140: int8-activation kernel below 32 rows (prefetch 2-8 row pairs), dense GEMM from
+    "Q4_K x140: integer kernel below 32 rows (prefetch 0-8 lines ahead), dense GEMM from
     there"; None when the model holds no native GGUF weight."""
     per: dict[str, dict] = {}
     for m in model.modules():
@@ -422,10 +434,7 @@ def summarize(model: nn.Module) -> str | None:
         rows = sorted({r for r in d["rows"] if r is not None})
         where = (f"below {span(rows)} rows, dense GEMM from there" if rows and None not in d["rows"]
                  else "at every row count" if not rows else f"below {span(rows)} rows or at every row count")
-        one = sorted(-v - 1 for v in d["pf"] if v < 0)
-        two = sorted(v for v in d["pf"] if v >= 0)
-        passes = ", ".join(([f"one row a pass, prefetch {span(one)} row pairs"] if one else [])
-                           + ([f"two rows a pass, prefetch {span(two)} row pairs"] if two else []))
-        out.append(f"{t} x{d['n']}{' (with the LM head)' if d['head'] else ''}: int8-activation kernel {where} "
+        passes = f"prefetch {span(d['pf'])} lines ahead"
+        out.append(f"{t} x{d['n']}{' (with the LM head)' if d['head'] else ''}: integer kernel {where} "
                    f"({passes})")
     return "; ".join(out)

@@ -59,9 +59,9 @@ BUDGET_S = 20.0  # seconds of kernel timing one start may spend (issue 32's boun
 UNBUDGETED = ("decode_graph/",)  # keys whose timing is a compile of unknown length: outside the budget
 EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "torch", "int4_dense_rows": "never",
          "decode_graph": "eager", "float_head": "plain", "float_head_rows": "never",
-         # native GGUF weights have no PyTorch kernel: eager runs ours at every row count, one weight
-         # row a pass, no prefetch
-         "gguf_pass": "-1", "gguf_dense_rows": "never"}
+         # native GGUF weights have no PyTorch kernel: eager runs ours at every row count, no
+         # software prefetch
+         "gguf_prefetch": "0", "gguf_dense_rows": "never"}
 
 
 def llc_bytes() -> int:

@@ -112,7 +112,7 @@ def _load_native_gguf(path, dtype, max_positions, progress, kernel_runs=lambda: 
     parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
     native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
-                           f"int8-activation kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
+                           f"integer kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
                            f"dequantized to {dtype}; {source}")
     model.source_file = Path(path)  # what its float linears' packed copies are kept under (packed_weights)
     del weights

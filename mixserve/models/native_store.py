@@ -40,7 +40,7 @@ log = logging.getLogger("mixserve")
 
 # bump when GGUFWeight.from_blocks' planes, the Q/K row order of llama files
 # (weights._unpermute) or what this file stores changes
-LAYOUT = 1
+LAYOUT = 2
 META = "__mixserve_native__"
 WHAT = "the GGUF's native layout"
 
@@ -114,8 +114,8 @@ def load(path: Path, gguf_path: str | Path) -> tuple[ModelConfig, dict, dict] | 
         for name, (qtype, n, k, group, superblock, hb, zero, empty) in facts["quantized"].items():
             parts = {t: torch.empty(0, dtype=getattr(torch, empty[t])) if t in empty else tensors[f"{name}#{t}"]
                      for t in GGUFWeight.TENSORS}
-            if any(v.numel() and v.shape[0] != n for v in parts.values()):
-                raise ValueError(f"{name}: a plane of another row count than {n}")
+            if any(v.numel() and v.shape[0] != -(-n // 16) for v in parts.values()):
+                raise ValueError(f"{name}: a plane of another panel count than {n} rows make")
             weights[name] = GGUFWeight(qtype, n, k, parts, group, superblock, hb, zero)
         return ModelConfig(**facts["config"]), weights, facts["types"]
     except Exception as e:  # noqa: BLE001 -- a tensor failed its checksum, or damaged metadata: repack

@@ -504,7 +504,7 @@ def test_the_gguf_kernels_variant_is_kept_when_mixserve_isa_changes(monkeypatch,
     first = gguf_kernels.kernel().name
     monkeypatch.setenv("MIXSERVE_ISA", "avx2")
     with caplog.at_level(logging.WARNING, "mixserve"):
-        assert gguf_kernels.kernel().name == first == "mixserve_gguf_v5"
+        assert gguf_kernels.kernel().name == first == "mixserve_gguf_v6"
     assert "MIXSERVE_ISA changed" in caplog.text
     monkeypatch.setattr(gguf_kernels, "_state", {})
-    assert gguf_kernels.kernel().name == "mixserve_gguf_v5_avx2"  # a new process's first call
+    assert gguf_kernels.kernel().name == "mixserve_gguf_v6_avx2"  # a new process's first call

@@ -1,5 +1,5 @@
 """GGUF weights run as stored (issue 16): the native layout's effective weights equal the `gguf`
-package's dequantization bit for bit for every block type, the int8-activation kernel equals
+package's dequantization bit for bit for every block type, the integer kernel equals
 those weights times the int8-quantized activations, and a GGUF model loads natively with the same
 tensors as the dequantized load. Random blocks here; the real files are in tests/integration."""
 import gguf
@@ -39,21 +39,24 @@ def test_effective_weights_equal_gguf_dequantization_exactly(qtype):
         assert torch.equal(w.dequantize(torch.bfloat16), ref.to(torch.bfloat16))
         rows = torch.tensor([n - 1, 0, n // 2, n - 1])
         assert torch.equal(w.dequantize(torch.float32, rows=rows), ref[rows])
-        # the layout keeps the file's bits: resident bytes within 3% of the file's (hi-bit masks of
-        # a tail block are padded to 64 lanes)
-        assert blocks.nbytes <= w.nbytes() <= 1.03 * blocks.nbytes + 64 * n
+        # the layout keeps the file's bits: resident bytes within 3% of the file's, rows padded to
+        # whole 16-row panels
+        padded = -(-n // 16) * 16
+        assert blocks.nbytes <= w.nbytes() <= 1.03 * blocks.nbytes * padded / n
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor, levels: int = 1) -> torch.Tensor:
-    """x quantized to int8 per 32 channels (scale max|x| / 127, round half to even), times w^T in
-    float64: what the kernel computes; levels > 1: what that left over quantized again and added."""
+    """x quantized per 32 channels (dx = max|x| / 127, round half to even) to `levels` int8 levels,
+    two making one int16 (x16 = round(256 x / dx)), times w^T in float64: what the kernel computes;
+    levels > 2: what that left over quantized again and added."""
     rest, total = x.double(), 0
-    for _ in range(levels):
+    for i in range((levels + 1) // 2):
         xr = rest.view(x.shape[0], -1, 32)
         d = xr.abs().amax(-1, keepdim=True) / 127
-        q = torch.where(d > 0, torch.round(xr / torch.where(d > 0, d, 1)), 0)
-        total = total + (q * d).view_as(x)
-        rest = rest - (q * d).view_as(x)
+        t = torch.where(d > 0, xr / torch.where(d > 0, d, 1), 0)
+        q = torch.round(t * 256) if 2 * (i + 1) <= levels else torch.round(t) * 256
+        total = total + (q * d / 256).view_as(x)
+        rest = rest - (q * d / 256).view_as(x)
     return total @ w.double().t()
 
 
@@ -84,88 +87,86 @@ def _fma32(a, b, c):
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
 
 
-def float_order_reference(qtype: str, blocks: np.ndarray, k: int, x: np.ndarray) -> np.ndarray:
-    """What the native kernel computes, in the float order gguf_kernels.py documents, in numpy:
-    x float32 [R, K] quantized to int8 per 32 channels; per group g the exact integer sum of q * xq;
-    per 16-group block and lane, acc = fma(isum, s * dx, fma(m, xs, acc)); then the 16 lanes summed
-    as h_i = acc_i + acc_(i+8), q_i = h_i + h_(i+4), s_i = q_i + q_(i+2), s_0 + s_1. float32 [R, N]."""
+def float_order_reference(qtype: str, blocks: np.ndarray, k: int, x: np.ndarray, levels: int = 2) -> np.ndarray:
+    """What the native kernel computes, in the float order layers/gguf_src.py documents, in numpy:
+    x float32 [R, K] quantized per 32 channels to int16 (x16 = round(256 x / dx), or 256 round(x / dx)
+    for an odd last level), e = dx / 256; per group g the exact integer sum of (q - z) * x16 (or q *
+    x16 and the offset first: acc = fma(m, e * sum(x16), acc)); acc = fma(isum, s * e, acc) over the
+    groups in order; levels 3-4 add the same for what the first row left over. float32 [R, N]."""
     from mixserve.layers import gguf_blocks
 
     f = gguf_blocks.parse(qtype, blocks, k)
     n, g = f.q.shape[0], f.group
-    ng, f32 = k // g, np.float32
+    ng, f32, rows = k // g, np.float32, x.shape[0]
     d = f.d.astype(f32)
     gps = f.superblock // g
-    if f.sc is None:
-        s = d
-    else:
-        s = np.repeat(d, gps, axis=1) * f.sc.astype(f32)
+    s = d if f.sc is None else np.repeat(d, gps, axis=1) * f.sc.astype(f32)
+    offset = f.dm is not None
     if f.mn is not None:
         m = np.repeat(f.dm.astype(f32), gps, axis=1) * f.mn.astype(f32)
-    elif f.dm is not None:
-        m = f.dm.astype(f32)
     else:
-        m = s * f32(-f.zero)
-    xb = x.astype(f32).reshape(x.shape[0], -1, 32)
-    dx = np.abs(xb).max(-1) / f32(127)
-    inv = np.where(dx > 0, f32(1) / np.where(dx > 0, dx, f32(1)), f32(0)).astype(f32)
-    xq = np.rint((xb * inv[..., None]).astype(f32)).astype(np.int64).reshape(x.shape[0], ng, g)
-    dxg = np.repeat(dx, 32 // g, axis=1)  # [R, ng]
-    xs = (dxg * xq.sum(-1).astype(f32)).astype(f32)
-    isum = np.einsum("ngc,rgc->rng", f.q.reshape(n, ng, g).astype(np.int64), xq)  # [R, N, ng], exact
-    out = np.empty((x.shape[0], n), f32)
-    for r in range(x.shape[0]):
-        acc = np.zeros((n, 16), f32)
-        for b in range(0, ng, 16):
-            lanes = slice(0, min(16, ng - b))
-            gs = slice(b, b + lanes.stop)
-            acc[:, lanes] = _fma32(isum[r, :, gs].astype(f32), (s[:, gs] * dxg[r, gs]).astype(f32),
-                                   _fma32(m[:, gs], np.broadcast_to(xs[r, gs], (n, lanes.stop)), acc[:, lanes]))
-        h = acc[:, :8] + acc[:, 8:]
-        q = h[:, :4] + h[:, 4:]
-        t = q[:, :2] + q[:, 2:]
-        out[r] = t[:, 0] + t[:, 1]
-    return out
+        m = f.dm.astype(f32) if offset else None
+    qq = f.q.reshape(n, ng, g).astype(np.int64) - (0 if offset else f.zero)
+    rest, total = x.astype(f32), None
+    for i in range((levels + 1) // 2):
+        full = 2 * (i + 1) <= levels
+        xb = rest.reshape(rows, -1, 32)
+        dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
+        inv = np.where(dx > 0, f32(1) / np.where(dx > 0, dx, f32(1)), f32(0)).astype(f32)
+        t = (xb * inv[..., None]).astype(f32)
+        v = np.rint(t * f32(256)) if full else np.rint(t) * f32(256)
+        v = np.clip(v, -32512, 32512).astype(f32)
+        e = (dx * f32(1 / 256)).astype(f32)
+        x16 = v.astype(np.int64).reshape(rows, ng, g)
+        eg = np.repeat(e, 32 // g, axis=1)  # [R, ng]
+        xs = (eg * x16.sum(-1).astype(f32)).astype(f32)
+        isum = np.einsum("ngc,rgc->rng", qq, x16)  # [R, N, ng], exact
+        acc = np.zeros((rows, n), f32)
+        for gi in range(ng):
+            if offset:
+                acc = _fma32(m[None, :, gi], xs[:, gi, None], acc)
+            acc = _fma32(isum[:, :, gi].astype(f32), (s[None, :, gi] * eg[:, gi, None]).astype(f32), acc)
+        total = acc if total is None else (total + acc).astype(f32)
+        rest = _fma32(-v, np.broadcast_to(e[..., None], v.shape), xb).reshape(rows, k)
+    return total
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
-    """Every variant of the kernel (AVX512-VNNI, AVX2) computes the float order gguf_kernels.py
-    writes down, so they give the same bits (issue 43): checked against a numpy emulation of it,
-    at 1, 2, 5 and 13 rows, on whole and tail blocks, with and without prefetch."""
+    """Every variant of the kernel (AVX512-VNNI, AVX2) computes the float order gguf_src.py writes
+    down, so they give the same bits (issue 43): checked against a numpy emulation of it, at 1, 2,
+    5 and 13 rows (the few-row and the many-row kernels), whole and partial panels, with and without
+    prefetch, at one int8 level and at the engine's two (one int16 row)."""
     torch.manual_seed(3)
     for n, k in shapes(qtype):
         blocks = random_blocks(qtype, n, k, seed=2)
         w = GGUFWeight.from_blocks(qtype, blocks, k)
-        for rows in (1, 2, 5, 13):  # the few-row kernel (<= 4 rows) and the many-row one
+        for rows in (1, 2, 5, 13):
             x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).contiguous()
-            ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x.numpy()))
-            for pf in (0, 3, -1, -4):  # two weight rows a pass or one
-                w.prefetch = pf
-                y = w.matmul(x)
-                assert torch.equal(y, ref), (qtype, n, k, rows, pf, (y - ref).abs().max().item(),
-                                             (y != ref).sum().item())
+            for levels in (1, 2):
+                ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x.numpy(), levels))
+                for pf in (0, 8):
+                    w.prefetch = pf
+                    y = w.matmul(x, levels)
+                    assert torch.equal(y, ref), (qtype, n, k, rows, levels, pf, (y - ref).abs().max().item(),
+                                                 (y != ref).sum().item())
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_the_second_level_is_the_first_levels_rest_quantized(qtype):
-    """levels=2: the row's first int8 quantization, then what it left over, fma(-q, dx, x) in float32,
-    quantized again, the two products added (the vectorized row quantizer against numpy, for the
-    rest it writes as well as the integers), at 1 and 13 rows."""
+def test_levels_past_two_add_the_first_rows_rest(qtype):
+    """levels 3 and 4 (the LM head's float32 logits): the row's int16 quantization, then what it left
+    over, fma(-x16, e, x) in float32, quantized again (one int8 level, or two), the two products
+    added in float32 (the vectorized row quantizer against numpy, for the rest it writes as well as
+    the integers), at 1 and 13 rows."""
     n, k = shapes(qtype)[0]
     blocks = random_blocks(qtype, n, k, seed=6)
     w = GGUFWeight.from_blocks(qtype, blocks, k)
-    f32 = np.float32
     for rows in (1, 13):
         x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).numpy()
-        xb = x.reshape(rows, -1, 32)
-        dx = (np.abs(xb).max(-1) / f32(127)).astype(f32)
-        inv = np.where(dx > 0, f32(1) / np.where(dx > 0, dx, f32(1)), f32(0)).astype(f32)
-        q = np.rint((xb * inv[..., None]).astype(f32)).astype(f32)
-        rest = _fma32(-q, np.broadcast_to(dx[..., None], q.shape), xb).reshape(rows, k)
-        ref = float_order_reference(qtype, blocks, k, x) + float_order_reference(qtype, blocks, k, rest)
-        y = w.matmul(torch.from_numpy(x), levels=2)
-        assert torch.equal(y, torch.from_numpy(ref)), (qtype, rows, (y.numpy() != ref).sum())
+        for levels in (3, 4):
+            ref = float_order_reference(qtype, blocks, k, x, levels)
+            y = w.matmul(torch.from_numpy(x), levels=levels)
+            assert torch.equal(y, torch.from_numpy(ref)), (qtype, rows, levels, (y.numpy() != ref).sum())
 
 
 @pytest.mark.skipif(gguf_kernels.isa() == "avx2", reason="this CPU's variant is the AVX2 one: the tests above ran it")
@@ -180,7 +181,7 @@ def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
     code = "from mixserve.layers import gguf_kernels; assert gguf_kernels.isa() == 'avx2', gguf_kernels.isa()"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "float_order or bits_it_gets_alone"], env=env, capture_output=True, text=True, timeout=900)
+                        "float_order or bits_it_gets_alone or levels_past_two"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -203,9 +204,9 @@ def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_streaming_passes_at_few_rows_give_the_many_row_kernels_bits(qtype):
-    """Issue 34: 5-16 int8 activation rows (a 2-8-row step's levels: speculative verification) run by
-    streaming passes through the weights, up to 8 a pass, instead of the many-row kernel; each row
-    gets the same bits either way, and the bits it gets alone."""
+    """Issue 34: up to `set_wide_rows` int16 activation rows (a 2-8-row step: speculative
+    verification) run by the few-row kernel's streaming passes, 4 a pass, instead of the many-row
+    kernel; each row gets the same bits either way, and the bits it gets alone."""
     from mixserve.layers import gguf_kernels
 
     torch.manual_seed(6)
@@ -349,7 +350,7 @@ def test_engine_native_matches_dequantized_load(tiny_gguf):
         models[mode] = eng.model
         if mode == "native":  # the start-up line names each block type's kernel
             text = eng.describe()
-            assert "GGUF weights native" in text and "Q6_K x2: int8-activation kernel at every row count" in text
+            assert "GGUF weights native" in text and "Q6_K x2: integer kernel at every row count" in text
             assert "Q8_0 x3 (with the LM head)" in text
         assert len(outs[0].token_ids) == 3
     m = models["native"]
@@ -461,7 +462,7 @@ def test_probe_runs_a_part_without_native_kernel_dense(tmp_path):
     from mixserve.plan.hardware import _make_linear
 
     chooser = KernelChooser(tmp_path / "choices.json",
-                            overrides={"dense_linear": "plain", "gguf_pass": "-1", "gguf_dense_rows": "never"})
+                            overrides={"dense_linear": "plain", "gguf_prefetch": "0", "gguf_dense_rows": "never"})
     lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q5_K", 32)])
     assert isinstance(lin, DenseLinear) and lin(torch.randn(2, 256)).shape == (2, 96)
     lin = _make_linear("gguf", 96, 256, torch.float32, 128, chooser, gguf_parts=[("Q4_K", 64), ("Q6_K", 32)])

@@ -1,0 +1,870 @@
+"""The native GGUF kernel's C++ source (layers/gguf_kernels.py builds it; issue 43's panel layout).
+
+Layout. A weight [N, K] is held in panels of 16 output rows (the last one padded with zero rows),
+each plane [panels, bytes a panel], so that one vector's 16 lanes are 16 output rows: no
+horizontal sums, no empty lanes, the same arithmetic at every row count. Every type is unsigned
+integers q (4, 5, 6 or 8 bits) with, per group g of G input channels (32, or 16 for Q6_K), an
+affine map w = s_g * q + m_g (layers/gguf_blocks.py). A group's channels run in "steps" of 4
+(step i: channels gG + 4i .. gG + 4i + 3); per panel:
+
+- `lo` [panels, 8K]: per group and step pair j (0 .. G/8 - 1) 64 bytes, byte 4l + c holding row l's
+  channel c of step j in its low nibble and of step j + G/8 in its high nibble (q's low 4 bits);
+- `hi`: q's bits above: Q8_0 (HB 4) a second plane like `lo` of bits 4-7; Q5_0 (HB 1, G 32) and
+  Q6_K (HB 2, G 16) 64 bytes a group, byte 4l + c holding, from bit HB * i up, bits 4 .. 3 + HB of
+  row l's channel c of step i;
+- `d` float16 [panels, K/S * 16] per super-block of S channels and lane, `sc` int8 [panels, K/G * 16]
+  (the K-quants' sub-block scales, s_g = d * sc_g), `dm` float16 like d and `mn` uint8 like sc
+  (m_g = dm_g, Q4_1, or dm * mn_g, Q4_K). The symmetric types (m_g = -z * s_g) keep no offset.
+
+Activations. Each activation row is quantized per 32 channels to a 16-bit integer x16 = round(256 *
+x / dx), dx = max|x| / 127, |x16| <= 32512, with the scale e = dx / 256 (one int16 row; `levels`
+2). Its two bytes are the two int8 levels of earlier kernels, combined exactly: x16 = 256 * x1 + x2
+with x1 = (x16 + 128) >> 8 in [-127, 127] and x2 in [-128, 127]. Odd `levels` make the last row
+x16 = 256 * round(x / dx) (one int8 level); 3 and 4 add a row for what the first left over
+(fma(-x16, e, x), quantized the same way), the rows' outputs summed in float32.
+
+The float order every kernel shares (AVX512-VNNI and AVX2, few rows and many: the same bits):
+per output (activation row r, weight row n), acc = 0, then for each group g in order:
+    [the types with an offset: acc = fma(m_g, xs_g, acc), xs_g = e_g * float(sum of x16 in g)]
+    acc = fma(float(isum_g), s_g * e_g, acc)
+with isum_g the exact integer sum over the group of (q - z) * x16 (symmetric types) or q * x16.
+The few-row kernel forms isum from `vpdpbusd` on the two bytes (256 * sum(q * x1) + sum(q * x2)
+- z * sum(x16)); the many-row kernel unpacks a tile of panels to int16 (q - z) once and forms it
+with `vpdpwssd` (AVX2: `vpmaddwd`): the same integer, |isum| < 2^28, so the same float.
+"""
+
+SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_AVX2 1
+#endif
+#if defined(GGUF_VNNI) || defined(GGUF_AVX2)
+#define GGUF_NATIVE 1
+#endif
+
+// int16 activation rows run by streaming passes through the weights (the few-row kernel, up to
+// 4 rows a pass) before the many-row kernel; gguf_wide_rows(n) sets it (n >= 1; else only reads it)
+// and returns the value before (both give the same bits)
+static int64_t g_wide_rows = 8;
+
+int64_t wide_rows(int64_t n) {
+  const int64_t old = g_wide_rows;
+  if (n >= 1) g_wide_rows = n;
+  return old;
+}
+
+struct Layout {
+  const uint8_t* lo; const uint8_t* hi; const at::Half* d; const int8_t* sc; const at::Half* dm;
+  const uint8_t* mn; int64_t N, NP, K, G, S, HB, ng, nsb, lpp, hpp; int32_t z;
+};
+
+static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc, torch::Tensor dm,
+                     torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z) {
+  Layout L;
+  TORCH_CHECK(lo.scalar_type() == at::kByte && lo.dim() == 2 && lo.is_contiguous() && lo.size(1) % 8 == 0,
+              "gguf: lo uint8 [panels, 8K]");
+  L.NP = lo.size(0); L.K = lo.size(1) / 8; L.N = N; L.G = G; L.S = S; L.HB = HB; L.z = (int32_t)z;
+  TORCH_CHECK(N >= 0 && N > (L.NP - 1) * 16 && N <= L.NP * 16, "gguf: N rows do not fill the panels");
+  TORCH_CHECK((G == 16 || G == 32) && L.K % 32 == 0 && S % G == 0 && L.K % S == 0, "gguf: unsupported group sizes");
+  TORCH_CHECK(HB == 0 || HB == 4 || (HB == 1 && G == 32) || (HB == 2 && G == 16), "gguf: HB 0, 4, 1 (G 32), 2 (G 16)");
+  L.ng = L.K / G; L.nsb = L.K / S; L.lpp = 8 * L.K; L.hpp = HB == 4 ? 8 * L.K : HB * 2 * L.K;
+  TORCH_CHECK(HB == 0 || (hi.scalar_type() == at::kByte && hi.numel() == L.NP * L.hpp && hi.is_contiguous()), "gguf: hi");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.numel() == L.NP * L.nsb * 16 && d.is_contiguous(), "gguf: d");
+  const bool ks = S != G, has_dm = dm.numel() > 0, has_mn = mn.numel() > 0;
+  TORCH_CHECK(!ks || (sc.scalar_type() == at::kChar && sc.numel() == L.NP * L.ng * 16 && sc.is_contiguous()), "gguf: sc");
+  TORCH_CHECK(!has_dm || (dm.scalar_type() == at::kHalf && dm.numel() == d.numel() && dm.is_contiguous()), "gguf: dm");
+  TORCH_CHECK(!has_mn || (has_dm && ks && mn.scalar_type() == at::kByte && mn.numel() == L.NP * L.ng * 16 &&
+              mn.is_contiguous()), "gguf: mn");
+  TORCH_CHECK(!has_dm || z == 0, "gguf: an offset type has no zero point");
+  L.lo = lo.data_ptr<uint8_t>();
+  L.hi = HB ? hi.data_ptr<uint8_t>() : nullptr;
+  L.d = d.data_ptr<at::Half>();
+  L.sc = ks ? sc.data_ptr<int8_t>() : nullptr;
+  L.dm = has_dm ? dm.data_ptr<at::Half>() : nullptr;
+  L.mn = has_mn ? mn.data_ptr<uint8_t>() : nullptr;
+  return L;
+}
+
+// the quantized activations: RQ int16 rows of K channels
+struct Act {
+  int64_t RQ = 0, K = 0, ng = 0;
+  std::vector<int16_t> x16;        // [RQ, K]
+  std::vector<int8_t> x1, x2;      // [RQ, K] the two bytes (the few-row kernel's; empty otherwise)
+  std::vector<float> e, xs;        // [RQ, K/32] scales; [RQ, ng] e * sum of x16 over the group
+  std::vector<int32_t> gs;         // [RQ, ng] sum of x16 over the group
+};
+
+#ifdef GGUF_NATIVE
+// one row to int16 per 32 channels (AVX2, which both variants have): dx = max|x| / 127 (NaN where a
+// value is not finite: the row's outputs are then NaN, and only its own), x16 = round(256 * x / dx)
+// half to even (full) or 256 * round(x / dx) (one int8 level), clamped to +-32512; rest (if asked)
+// = fma(-x16, e, x)
+static void quantize16(const float* xr, int64_t K, bool full, int16_t* q, float* e, float* rest) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
+  const __m256 lo = _mm256_set1_ps(-32512.f), hi = _mm256_set1_ps(32512.f), k256 = _mm256_set1_ps(256.f);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const float* xc = xr + c * 32;
+    __m256 v[4], m = _mm256_setzero_ps();
+    int finite = 0xFF;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xc + 8 * i);
+      const __m256 a = _mm256_and_ps(v[i], absmask);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and NaN
+      m = _mm256_max_ps(m, a);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
+    float dc = finite == 0xFF ? amax / 127.f : NAN, inv = dc > 0.f ? 1.f / dc : 0.f;
+    if (std::isinf(inv)) dc = inv = 0.f;  // a subnormal scale: x16 = 0 and the rest carries x
+    const float ec = dc * (1.f / 256.f);
+    e[c] = ec;
+    const __m256 iv = _mm256_set1_ps(inv), ev = _mm256_set1_ps(ec);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 t = _mm256_mul_ps(v[i], iv);
+      __m256 f = full ? _mm256_round_ps(_mm256_mul_ps(t, k256), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                      : _mm256_mul_ps(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k256);
+      f = _mm256_and_ps(f, _mm256_cmp_ps(f, f, _CMP_ORD_Q));  // NaN -> 0
+      f = _mm256_min_ps(_mm256_max_ps(f, lo), hi);
+      qi[i] = _mm256_cvtps_epi32(f);
+      if (rest) _mm256_storeu_ps(rest + c * 32 + 8 * i, _mm256_fnmadd_ps(f, ev, v[i]));
+    }
+    const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
+    _mm256_storeu_si256((__m256i*)(q + c * 32), a);
+    _mm256_storeu_si256((__m256i*)(q + c * 32 + 16), b);
+  }
+}
+
+// x float32 [R, K] -> A: R * ceil(levels / 2) int16 rows, their group sums, and (bytes) the two int8
+// planes the few-row kernel broadcasts
+static void quantize_act(const float* x, int64_t R, int64_t K, int64_t G, int64_t levels, bool bytes, Act& A) {
+  const int64_t per = (levels + 1) / 2;
+  A.RQ = R * per; A.K = K; A.ng = K / G;
+  A.x16.assign(A.RQ * K, 0); A.e.assign(A.RQ * (K / 32), 0.f);
+  A.gs.assign(A.RQ * A.ng, 0); A.xs.assign(A.RQ * A.ng, 0.f);
+  if (bytes) { A.x1.assign(A.RQ * K, 0); A.x2.assign(A.RQ * K, 0); }
+  // rows are quantized independently: on every thread (a 512-token prefill's rows took ~0.5 s on one)
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> rest(2 * K);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = x + r * K;
+      for (int64_t i = 0; i < per; ++i) {
+        const int64_t row = per * r + i;
+        const bool full = 2 * (i + 1) <= levels;
+        float* left = rest.data() + (i % 2) * K;
+        int16_t* q = A.x16.data() + row * K;
+        quantize16(src, K, full, q, A.e.data() + row * (K / 32), i + 1 < per ? left : nullptr);
+        src = left;
+        for (int64_t g = 0; g < A.ng; ++g) {
+          int32_t s = 0;
+          for (int64_t c = 0; c < G; ++c) s += q[g * G + c];
+          A.gs[row * A.ng + g] = s;
+          A.xs[row * A.ng + g] = A.e[row * (K / 32) + g * G / 32] * (float)s;
+        }
+        if (bytes) {
+          int8_t* b1 = A.x1.data() + row * K; int8_t* b2 = A.x2.data() + row * K;
+          for (int64_t c = 0; c < K; ++c) {
+            const int32_t h = (q[c] + 128) >> 8;
+            b1[c] = (int8_t)h;
+            b2[c] = (int8_t)(q[c] - (h << 8));
+          }
+        }
+      }
+    }
+  });
+}
+
+// the many-row kernels' blocking: channels in blocks of `kc` (K itself up to 1024, else 512), panels
+// in tiles of `tp` (the tile's int16 weights, 32 bytes a channel a panel, ~256 KB: in L2), at least
+// two tiles a thread so the threads share them; every activation row runs against a tile's block
+// before the next block is unpacked (the float accumulators wait in y between blocks, so each output
+// still adds its groups in order)
+static inline int64_t block_channels(int64_t K) { return K <= 1024 ? K : 512; }
+
+static inline int64_t tile_panels(int64_t NP, int64_t kc) {
+  const int64_t by_cache = std::max<int64_t>(1, (256 * 1024) / (32 * kc));
+  const int64_t by_threads = std::max<int64_t>(1, (NP + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads()));
+  int64_t tp = std::min<int64_t>({by_cache, by_threads, 16});
+  if (tp > 1) tp &= ~(int64_t)1;
+  return std::max<int64_t>(1, tp);
+}
+
+static inline uint32_t word_at(const uint8_t* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
+
+static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
+  __m256i u = _mm256_castps_si256(v);
+  u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                           _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+  u = _mm256_srli_epi32(u, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+// panel p's unsigned integers of group g, row-major: q[l * G + c] = row l's channel gG + c (scalar
+// bit work on 32-bit words; both variants)
+static void panel_group(const Layout& L, int64_t p, int64_t g, uint8_t* q) {
+  const int64_t G = L.G, h = G / 8;
+  const uint8_t* lg = L.lo + p * L.lpp + g * h * 64;
+  const uint8_t* hg = L.HB == 4 ? L.hi + p * L.hpp + g * h * 64 : (L.HB ? L.hi + p * L.hpp + g * 64 : nullptr);
+  for (int64_t l = 0; l < 16; ++l) {
+    const uint32_t hw = (L.HB == 1 || L.HB == 2) ? word_at(hg + 4 * l) : 0;
+    for (int64_t j = 0; j < h; ++j) {
+      const uint32_t v = word_at(lg + j * 64 + 4 * l), hv4 = L.HB == 4 ? word_at(hg + j * 64 + 4 * l) : 0;
+      for (int c = 0; c < 4; ++c) {
+        const uint32_t b = (v >> (8 * c)) & 0xFF, hb = (hv4 >> (8 * c)) & 0xFF, hx = (hw >> (8 * c)) & 0xFF;
+        uint32_t qa = b & 15, qb = b >> 4;
+        if (L.HB == 4) { qa |= (hb & 15) << 4; qb |= hb & 0xF0; }
+        else if (L.HB) {
+          const uint32_t mk = (1u << L.HB) - 1;
+          qa |= ((hx >> (L.HB * j)) & mk) << 4;
+          qb |= ((hx >> (L.HB * (j + h))) & mk) << 4;
+        }
+        q[l * G + 4 * j + c] = (uint8_t)qa;
+        q[l * G + 4 * (j + h) + c] = (uint8_t)qb;
+      }
+    }
+  }
+}
+
+// row l's s_g and m_g of panel p (scalars; m = -z * s for the symmetric types)
+static inline void scales_at(const Layout& L, int64_t p, int64_t l, int64_t g, float& s, float& m) {
+  const int64_t sb = g * L.G / L.S;
+  const float d = (float)L.d[(p * L.nsb + sb) * 16 + l];
+  s = L.sc ? d * (float)L.sc[(p * L.ng + g) * 16 + l] : d;
+  if (L.dm) {
+    const float dm = (float)L.dm[(p * L.nsb + sb) * 16 + l];
+    m = L.mn ? dm * (float)L.mn[(p * L.ng + g) * 16 + l] : dm;
+  } else {
+    m = s * (float)(-L.z);
+  }
+}
+
+#endif
+
+#ifdef GGUF_VNNI
+static inline __m512 h16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// panel p's s_g and (offset types) m_g for group g, 16 lanes
+static inline void scales16(const Layout& L, int64_t p, int64_t g, __m512& s, __m512& m) {
+  const int64_t sb = g * L.G / L.S;
+  const __m512 d = h16(L.d + (p * L.nsb + sb) * 16);
+  s = L.sc ? _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                 _mm_loadu_si128((const __m128i*)(L.sc + (p * L.ng + g) * 16))))) : d;
+  if (L.dm) {
+    const __m512 dm = h16(L.dm + (p * L.nsb + sb) * 16);
+    m = L.mn ? _mm512_mul_ps(dm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                   _mm_loadu_si128((const __m128i*)(L.mn + (p * L.ng + g) * 16))))) : dm;
+  } else {
+    m = _mm512_setzero_ps();
+  }
+}
+
+// a 16-bit shift left (s > 0) or right (s < 0) of every lane
+static inline __m512i shift16(__m512i v, int s) {
+  return s >= 0 ? _mm512_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm512_srl_epi16(v, _mm_cvtsi32_si128(-s));
+}
+
+// steps j and j + G/8 of a group: the unsigned integers, lane l byte c = row l's channel c of the step.
+// lg: the group's `lo` bytes, hg: its `hi` bytes (HB 4: like lo; HB 1, 2: 64 bytes, in hv)
+template <int G, int HB>
+static inline void unpack(const uint8_t* lg, const uint8_t* hg, __m512i hv, int64_t j, __m512i& qa, __m512i& qb) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(lg + j * 64);
+  qa = _mm512_and_si512(v, low);
+  qb = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (HB == 4) {
+    const __m512i h = _mm512_loadu_si512(hg + j * 64), top = _mm512_set1_epi8((char)0xF0);
+    qa = _mm512_or_si512(qa, _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+    qb = _mm512_or_si512(qb, _mm512_and_si512(h, top));
+  } else if constexpr (HB > 0) {
+    const __m512i mk = _mm512_set1_epi8(HB == 1 ? 0x10 : 0x30);
+    qa = _mm512_or_si512(qa, _mm512_and_si512(shift16(hv, 4 - HB * (int)j), mk));
+    qb = _mm512_or_si512(qb, _mm512_and_si512(shift16(hv, 4 - HB * (int)(j + G / 8)), mk));
+  }
+}
+
+static inline __m512i bcast4(const void* p) { int32_t u; std::memcpy(&u, p, 4); return _mm512_set1_epi32(u); }
+
+// R int16 rows (A's rows r0 ..) against every panel, streaming the weights once: per group, the
+// integer sums of both bytes with vpdpbusd, combined exactly, then the documented float step
+template <int R, int G, int HB>
+static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
+  const int64_t K = L.K, ng = L.ng, nk = K / 32;
+  const bool off = L.dm != nullptr;
+  at::parallel_for(0, L.NP, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* lo = L.lo + p * L.lpp;
+      const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* lg = lo + g * (G / 8) * 64;
+        const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
+        if (PF) {
+          _mm_prefetch((const char*)(lg + PF * 64), _MM_HINT_T0);
+          if (HB) _mm_prefetch((const char*)(hg + PF * 64), _MM_HINT_T0);
+        }
+        const __m512i hv = (HB == 1 || HB == 2) ? _mm512_loadu_si512(hg) : _mm512_setzero_si512();
+        __m512i a1[R], a2[R];
+        for (int r = 0; r < R; ++r) a1[r] = a2[r] = _mm512_setzero_si512();
+        const int64_t c0 = g * G;
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < G / 8; ++j) {
+          __m512i qa, qb;
+          unpack<G, HB>(lg, hg, hv, j, qa, qb);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
+            const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
+            a1[r] = _mm512_dpbusd_epi32(a1[r], qa, bcast4(x1 + 4 * j));
+            a2[r] = _mm512_dpbusd_epi32(a2[r], qa, bcast4(x2 + 4 * j));
+            a1[r] = _mm512_dpbusd_epi32(a1[r], qb, bcast4(x1 + 4 * (j + G / 8)));
+            a2[r] = _mm512_dpbusd_epi32(a2[r], qb, bcast4(x2 + 4 * (j + G / 8)));
+          }
+        }
+        __m512 s, m;
+        scales16(L, p, g, s, m);
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = r0 + r;
+          __m512i is = _mm512_add_epi32(_mm512_slli_epi32(a1[r], 8), a2[r]);
+          if (!off) is = _mm512_sub_epi32(is, _mm512_set1_epi32(L.z * A.gs[row * ng + g]));
+          else acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(A.xs[row * ng + g]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(A.e[row * nk + c0 / 32])),
+                                   acc[r]);
+        }
+      }
+      const int64_t left = L.N - 16 * p;
+      const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * L.N + 16 * p, k, acc[r]);
+    }
+  });
+}
+
+// the int16 tile: per panel [K/2 channel pairs][16 lanes] of (q - z) pairs, then per group the 16
+// lanes' s (and m)
+struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
+
+// an unsigned byte vector (lane l: 4 channels) -> its channel pairs (0, 1) and (2, 3) as int16 pairs, less z
+static inline void widen(__m512i q, __m512i zz, __m512i& p01, __m512i& p23) {
+  const __m512i b0 = _mm512_set1_epi32(0xFF), b1 = _mm512_set1_epi32(0xFF00);
+  const __m512i u = _mm512_srli_epi32(q, 16);
+  p01 = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(q, b0), _mm512_slli_epi32(_mm512_and_si512(q, b1), 8)), zz);
+  p23 = _mm512_sub_epi16(_mm512_or_si512(_mm512_and_si512(u, b0), _mm512_slli_epi32(_mm512_and_si512(u, b1), 8)), zz);
+}
+
+// panels p0 .. p0 + np - 1, groups g0 .. g1 - 1 into the tile: per panel [channel pairs of the block][16
+// lanes], then per group the lanes' s and m
+template <int G, int HB>
+static void fill_tile(const Layout& L, Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+  const int64_t nbg = g1 - g0, ws = nbg * (G / 2) * 16;
+  const __m512i zz = _mm512_set1_epi16((short)L.z);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t p = p0 + i;
+    const uint8_t* lo = L.lo + p * L.lpp;
+    const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
+    int32_t* W = T.W.data() + i * ws;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* lg = lo + g * (G / 8) * 64;
+      const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
+      const __m512i hv = (HB == 1 || HB == 2) ? _mm512_loadu_si512(hg) : _mm512_setzero_si512();
+      for (int64_t j = 0; j < G / 8; ++j) {
+        __m512i qa, qb, a01, a23, b01, b23;
+        unpack<G, HB>(lg, hg, hv, j, qa, qb);
+        widen(qa, zz, a01, a23);
+        widen(qb, zz, b01, b23);
+        const int64_t ta = ((g - g0) * G + 4 * j) / 2, tb = ((g - g0) * G + 4 * (j + G / 8)) / 2;
+        _mm512_storeu_si512(W + ta * 16, a01);
+        _mm512_storeu_si512(W + (ta + 1) * 16, a23);
+        _mm512_storeu_si512(W + tb * 16, b01);
+        _mm512_storeu_si512(W + (tb + 1) * 16, b23);
+      }
+      __m512 s, m;
+      scales16(L, p, g, s, m);
+      _mm512_storeu_ps(T.S.data() + (i * nbg + g - g0) * 16, s);
+      _mm512_storeu_ps(T.M.data() + (i * nbg + g - g0) * 16, m);
+    }
+  }
+}
+
+// MR int16 rows x NPAN panels of the tile, groups g0 .. g1 - 1 (first: the accumulators start at
+// zero, else from y): the integer sums with vpdpwssd (broadcast channel pairs of the activations),
+// then few()'s float steps in its order
+template <int MR, int NPAN, int G>
+static inline void micro(const Layout& L, const Tile& T, int64_t i0, const Act& A, int64_t r0, float* y, int64_t p,
+                         int64_t g0, int64_t g1) {
+  const int64_t K = L.K, ng = L.ng, nk = K / 32, nbg = g1 - g0, ws = nbg * (G / 2) * 16;
+  const bool off = L.dm != nullptr;
+  __mmask16 k[NPAN];
+  for (int c = 0; c < NPAN; ++c) {
+    const int64_t left = L.N - 16 * (p + c);
+    k[c] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  }
+  __m512 F[MR][NPAN];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < NPAN; ++c)
+      F[r][c] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k[c], y + (r0 + r) * L.N + 16 * (p + c));
+  const int32_t* W = T.W.data() + i0 * ws;
+  const int16_t* X = A.x16.data() + r0 * K;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512i I[MR][NPAN];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+      for (int c = 0; c < NPAN; ++c) I[r][c] = _mm512_setzero_si512();
+    const int32_t* wg = W + (g - g0) * (G / 2) * 16;
+    const int16_t* xg = X + g * G;
+#pragma GCC unroll 16
+    for (int t = 0; t < G / 2; ++t) {
+      __m512i w[NPAN];
+#pragma GCC unroll 2
+      for (int c = 0; c < NPAN; ++c) w[c] = _mm512_loadu_si512(wg + c * ws + t * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xb = bcast4(xg + r * K + 2 * t);
+#pragma GCC unroll 2
+        for (int c = 0; c < NPAN; ++c) I[r][c] = _mm512_dpwssd_epi32(I[r][c], w[c], xb);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const __m512 ev = _mm512_set1_ps(A.e[row * nk + g * G / 32]);
+      const __m512 xv = _mm512_set1_ps(A.xs[row * ng + g]);
+#pragma GCC unroll 2
+      for (int c = 0; c < NPAN; ++c) {
+        const int64_t at = ((i0 + c) * nbg + g - g0) * 16;
+        if (off) F[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(T.M.data() + at), xv, F[r][c]);
+        F[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r][c]), _mm512_mul_ps(_mm512_loadu_ps(T.S.data() + at), ev),
+                                  F[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int c = 0; c < NPAN; ++c)
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * L.N + 16 * (p + c), k[c], F[r][c]);
+}
+
+template <int MR, int G>
+static inline void micro_panels(const Layout& L, const Tile& T, int64_t i, int64_t np, const Act& A, int64_t r0,
+                                float* y, int64_t p, int64_t g0, int64_t g1) {
+  if (i + 1 < np) micro<MR, 2, G>(L, T, i, A, r0, y, p, g0, g1);
+  else micro<MR, 1, G>(L, T, i, A, r0, y, p, g0, g1);
+}
+
+template <int G, int HB>
+static void many(const Layout& L, const Act& A, float* y) {
+  const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
+  at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
+    Tile T;
+    T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
+      for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
+        const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
+        fill_tile<G, HB>(L, T, p0, np, g0, g1);
+        constexpr int MR = 6;
+        for (int64_t r0 = 0; r0 < RQ; r0 += MR) {
+          const int64_t rr = std::min<int64_t>(MR, RQ - r0);
+          for (int64_t i = 0; i < np; i += 2) {
+            switch (rr) {
+              case 1: micro_panels<1, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+              case 2: micro_panels<2, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+              case 3: micro_panels<3, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+              case 4: micro_panels<4, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+              case 5: micro_panels<5, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+              default: micro_panels<6, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+template <int G, int HB>
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF) {
+  if (A.RQ > g_wide_rows) return many<G, HB>(L, A, y);
+  for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
+    switch (std::min<int64_t>(4, A.RQ - r0)) {
+      case 1: few<1, G, HB>(L, A, r0, y, PF); break;
+      case 2: few<2, G, HB>(L, A, r0, y, PF); break;
+      case 3: few<3, G, HB>(L, A, r0, y, PF); break;
+      default: few<4, G, HB>(L, A, r0, y, PF); break;
+    }
+  }
+}
+#endif  // GGUF_VNNI
+
+@AVX2@
+
+bool available() {
+#ifdef GGUF_NATIVE
+  return true;
+#else
+  return false;
+#endif
+}
+
+// which variant this build holds: 2 AVX512-VNNI, 1 AVX2, 0 none
+int64_t isa_level() {
+#if defined(GGUF_VNNI)
+  return 2;
+#elif defined(GGUF_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x float [R, K] -> y float [R, N]
+torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
+                     torch::Tensor dm, torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z,
+                     int64_t levels, int64_t prefetch) {
+  const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
+              "gguf matmul: x float32 [R, K] contiguous");
+  TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
+  const int64_t R = x.size(0), per = (levels + 1) / 2, PF = std::max<int64_t>(0, prefetch);
+  auto y = torch::empty({R * per, L.N}, x.options());
+#ifdef GGUF_NATIVE
+  if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
+  Act A;
+  quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= g_wide_rows, A);
+  float* yp = y.data_ptr<float>();
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF); } else
+  GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
+  { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
+#undef GGUF_CASE
+#else
+  TORCH_CHECK(false, "gguf matmul: built without AVX2 or AVX512-VNNI");
+#endif
+  return per > 1 ? y.view({R, per, L.N}).sum(1) : y;
+}
+
+#ifdef GGUF_NATIVE
+// the effective weights of rows `rows` (int64 [M], or all rows when null) -> out [M, K] float32 or
+// bfloat16, w = fma(q, s_g, m_g): a panel's group at a time, its rows 8 channels at a time
+template <typename O>
+static void dequant_any(const Layout& L, const int64_t* rows, int64_t M, O* out) {
+  const int64_t G = L.G;
+  auto one = [&](int64_t p, int64_t l, O* o, const uint8_t* q, int64_t g) {
+    float s, m;
+    scales_at(L, p, l, g, s, m);
+    for (int64_t u = 0; u < G / 8; ++u) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + l * G + 8 * u))));
+      const __m256 w = _mm256_fmadd_ps(f, _mm256_set1_ps(s), _mm256_set1_ps(m));
+      O* dst = o + g * G + 8 * u;
+      if constexpr (std::is_same<O, float>::value) _mm256_storeu_ps(dst, w);
+      else _mm_storeu_si128((__m128i*)dst, to_bf16_8(w));
+    }
+  };
+  if (!rows) {
+    at::parallel_for(0, L.NP, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<uint8_t> q(16 * G);
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t g = 0; g < L.ng; ++g) {
+          panel_group(L, p, g, q.data());
+          for (int64_t l = 0; l < 16 && 16 * p + l < L.N; ++l) one(p, l, out + (16 * p + l) * L.K, q.data(), g);
+        }
+    });
+    return;
+  }
+  at::parallel_for(0, M, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> q(16 * G);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = rows[i], p = n / 16, l = n % 16;
+      for (int64_t g = 0; g < L.ng; ++g) {
+        panel_group(L, p, g, q.data());
+        one(p, l, out + i * L.K, q.data(), g);
+      }
+    }
+  });
+}
+#endif
+
+void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc, torch::Tensor dm,
+             torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z, torch::Tensor rows,
+             bool all_rows, torch::Tensor out) {
+#ifndef GGUF_NATIVE
+  TORCH_CHECK(false, "gguf dequantize: built without AVX2 or AVX512-VNNI");
+#else
+  const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(1) == L.K, "gguf dequantize: out [M, K] contiguous");
+  const int64_t M = out.size(0);
+  TORCH_CHECK(all_rows ? M == L.N : (rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == M),
+              "gguf dequantize: rows int64 [M] contiguous");
+  const int64_t* rp = all_rows ? nullptr : rows.data_ptr<int64_t>();
+  if (rp)
+    for (int64_t i = 0; i < M; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < L.N, "gguf dequantize: row out of range");
+  if (out.scalar_type() == at::kFloat) dequant_any(L, rp, M, out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16) dequant_any(L, rp, M, out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "gguf dequantize: out float32 or bfloat16");
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
+  lib.def("gguf_matmul(Tensor x, Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, "
+          "int S, int HB, float z, int levels=2, int prefetch=0) -> Tensor");
+  lib.def("gguf_dequant(Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, int S, "
+          "int HB, float z, Tensor rows, bool all_rows, Tensor(a!) out) -> ()");
+  lib.def("gguf_wide_rows(int n) -> int", &wide_rows);  // no tensor to dispatch on: one kernel for all
+}
+TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
+  lib.impl("gguf_matmul", &matmul);
+  lib.impl("gguf_dequant", &dequant);
+}
+"""
+
+# The AVX2 variant (issue 43): the same layout, integers and float order on 8-lane halves of a panel.
+# AVX2 has no vpdpbusd: the few-row kernel multiplies each byte plane with vpmaddubsw (u8 x s8 pairs
+# into int16: below 32,767 for q < 64; Q8_0's 8-bit q runs as its two nibbles, 16 * hi + lo, summed
+# in int32) and vpmaddwd; the many-row kernel multiplies the int16 tile by the int16 activations with
+# vpmaddwd. Both give the exact group sums, so the same bits as the VNNI variant.
+AVX2_SRC = r"""
+#ifdef GGUF_AVX2
+static inline __m256 h8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// lanes 8h .. 8h + 7 of panel p's s_g and m_g
+static inline void scales8(const Layout& L, int64_t p, int64_t g, int h, __m256& s, __m256& m) {
+  const int64_t sb = g * L.G / L.S;
+  const __m256 d = h8(L.d + (p * L.nsb + sb) * 16 + 8 * h);
+  s = L.sc ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                 _mm_loadl_epi64((const __m128i*)(L.sc + (p * L.ng + g) * 16 + 8 * h))))) : d;
+  if (L.dm) {
+    const __m256 dm = h8(L.dm + (p * L.nsb + sb) * 16 + 8 * h);
+    m = L.mn ? _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                   _mm_loadl_epi64((const __m128i*)(L.mn + (p * L.ng + g) * 16 + 8 * h))))) : dm;
+  } else {
+    m = _mm256_setzero_ps();
+  }
+}
+
+static inline __m256i shift16x(__m256i v, int s) {
+  return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
+}
+
+// half h of steps j and j + G/8: the low 4 bits (qa, qb) and the bits above (ha, hb: HB 4, the high
+// nibble; HB 1, 2: already shifted into bits 4-5 and or-ed into qa, qb)
+template <int G, int HB>
+static inline void unpack8(const uint8_t* lg, const uint8_t* hg, __m256i hv, int64_t j, int h, __m256i& qa,
+                           __m256i& qb, __m256i& ha, __m256i& hb) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(lg + j * 64 + 32 * h));
+  qa = _mm256_and_si256(v, low);
+  qb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  if constexpr (HB == 4) {
+    const __m256i t = _mm256_loadu_si256((const __m256i*)(hg + j * 64 + 32 * h));
+    ha = _mm256_and_si256(t, low);
+    hb = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+  } else if constexpr (HB > 0) {
+    const __m256i mk = _mm256_set1_epi8(HB == 1 ? 0x10 : 0x30);
+    qa = _mm256_or_si256(qa, _mm256_and_si256(shift16x(hv, 4 - HB * (int)j), mk));
+    qb = _mm256_or_si256(qb, _mm256_and_si256(shift16x(hv, 4 - HB * (int)(j + G / 8)), mk));
+  }
+}
+
+static inline __m256i bcast4x(const void* p) { int32_t u; std::memcpy(&u, p, 4); return _mm256_set1_epi32(u); }
+
+// the sum over each lane's 4 bytes of q * x (q unsigned < 64, x signed), int32
+static inline __m256i dot4x(__m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+}
+
+template <int HB>
+static inline __m256i dotq(__m256i q, __m256i hq, __m256i x) {
+  if constexpr (HB == 4)
+    return _mm256_add_epi32(dot4x(q, x), _mm256_madd_epi16(_mm256_maddubs_epi16(hq, x), _mm256_set1_epi16(16)));
+  else
+    return dot4x(q, x);
+}
+
+template <int R, int G, int HB>
+static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
+  const int64_t K = L.K, ng = L.ng, nk = K / 32;
+  const bool off = L.dm != nullptr;
+  at::parallel_for(0, L.NP, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* lo = L.lo + p * L.lpp;
+      const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
+      __m256 acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* lg = lo + g * (G / 8) * 64;
+        const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
+        if (PF) _mm_prefetch((const char*)(lg + PF * 64), _MM_HINT_T0);
+        const int64_t c0 = g * G;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i hv = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32 * h))
+                                                  : _mm256_setzero_si256();
+          __m256i a1[R], a2[R];
+          for (int r = 0; r < R; ++r) a1[r] = a2[r] = _mm256_setzero_si256();
+          for (int64_t j = 0; j < G / 8; ++j) {
+            __m256i qa, qb, ha = _mm256_setzero_si256(), hb = _mm256_setzero_si256();
+            unpack8<G, HB>(lg, hg, hv, j, h, qa, qb, ha, hb);
+            for (int r = 0; r < R; ++r) {
+              const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
+              const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
+              a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qa, ha, bcast4x(x1 + 4 * j)));
+              a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qa, ha, bcast4x(x2 + 4 * j)));
+              a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qb, hb, bcast4x(x1 + 4 * (j + G / 8))));
+              a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qb, hb, bcast4x(x2 + 4 * (j + G / 8))));
+            }
+          }
+          __m256 s, m;
+          scales8(L, p, g, h, s, m);
+          for (int r = 0; r < R; ++r) {
+            const int64_t row = r0 + r;
+            __m256i is = _mm256_add_epi32(_mm256_slli_epi32(a1[r], 8), a2[r]);
+            if (!off) is = _mm256_sub_epi32(is, _mm256_set1_epi32(L.z * A.gs[row * ng + g]));
+            else acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(A.xs[row * ng + g]), acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+                                        _mm256_mul_ps(s, _mm256_set1_ps(A.e[row * nk + c0 / 32])), acc[r][h]);
+          }
+        }
+      }
+      const int64_t left = L.N - 16 * p;
+      for (int r = 0; r < R; ++r) {
+        float* o = y + (r0 + r) * L.N + 16 * p;
+        if (left >= 16) {
+          _mm256_storeu_ps(o, acc[r][0]);
+          _mm256_storeu_ps(o + 8, acc[r][1]);
+        } else {
+          alignas(32) float t[16];
+          _mm256_store_ps(t, acc[r][0]);
+          _mm256_store_ps(t + 8, acc[r][1]);
+          std::memcpy(o, t, 4 * left);
+        }
+      }
+    }
+  });
+}
+
+struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
+
+// per panel, the same int16 tile as the VNNI variant's (lanes 0-15 of each channel pair), less z
+template <int G, int HB>
+static void fill_tile(const Layout& L, Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+  const int64_t nbg = g1 - g0, ws = nbg * (G / 2) * 16;
+  std::vector<uint8_t> q(16 * G);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t p = p0 + i;
+    int32_t* W = T.W.data() + i * ws;
+    for (int64_t g = g0; g < g1; ++g) {
+      panel_group(L, p, g, q.data());
+      for (int64_t l = 0; l < 16; ++l)
+        for (int64_t t = 0; t < G / 2; ++t) {
+          const int16_t a = (int16_t)(q[l * G + 2 * t] - L.z), b = (int16_t)(q[l * G + 2 * t + 1] - L.z);
+          W[((g - g0) * G / 2 + t) * 16 + l] = (int32_t)(uint16_t)a | (int32_t)((uint32_t)(uint16_t)b << 16);
+        }
+      for (int h = 0; h < 2; ++h) {
+        __m256 s, m;
+        scales8(L, p, g, h, s, m);
+        _mm256_storeu_ps(T.S.data() + (i * nbg + g - g0) * 16 + 8 * h, s);
+        _mm256_storeu_ps(T.M.data() + (i * nbg + g - g0) * 16 + 8 * h, m);
+      }
+    }
+  }
+}
+
+template <int MR, int G>
+static inline void micro(const Layout& L, const Tile& T, int64_t i, const Act& A, int64_t r0, float* y, int64_t p,
+                         int64_t g0, int64_t g1) {
+  const int64_t K = L.K, ng = L.ng, nk = K / 32, nbg = g1 - g0, ws = nbg * (G / 2) * 16;
+  const bool off = L.dm != nullptr;
+  const int64_t left = std::min<int64_t>(16, L.N - 16 * p);
+  __m256 F[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    if (g0 == 0) {
+      F[r][0] = F[r][1] = _mm256_setzero_ps();
+    } else {
+      alignas(32) float t[16] = {0};
+      std::memcpy(t, y + (r0 + r) * L.N + 16 * p, 4 * left);
+      F[r][0] = _mm256_load_ps(t);
+      F[r][1] = _mm256_load_ps(t + 8);
+    }
+  }
+  const int32_t* W = T.W.data() + i * ws;
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256i I[MR][2];
+    for (int r = 0; r < MR; ++r) I[r][0] = I[r][1] = _mm256_setzero_si256();
+    const int32_t* wg = W + (g - g0) * (G / 2) * 16;
+#pragma GCC unroll 16
+    for (int t = 0; t < G / 2; ++t) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wg + t * 16));
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wg + t * 16 + 8));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xb = bcast4x(A.x16.data() + (r0 + r) * K + g * G + 2 * t);
+        I[r][0] = _mm256_add_epi32(I[r][0], _mm256_madd_epi16(w0, xb));
+        I[r][1] = _mm256_add_epi32(I[r][1], _mm256_madd_epi16(w1, xb));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = r0 + r;
+      const __m256 ev = _mm256_set1_ps(A.e[row * nk + g * G / 32]);
+      const __m256 xv = _mm256_set1_ps(A.xs[row * ng + g]);
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (i * nbg + g - g0) * 16 + 8 * h;
+        if (off) F[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(T.M.data() + at), xv, F[r][h]);
+        F[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r][h]), _mm256_mul_ps(_mm256_loadu_ps(T.S.data() + at), ev),
+                                  F[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float t[16];
+    _mm256_store_ps(t, F[r][0]);
+    _mm256_store_ps(t + 8, F[r][1]);
+    std::memcpy(y + (r0 + r) * L.N + 16 * p, t, 4 * left);
+  }
+}
+
+template <int G, int HB>
+static void many(const Layout& L, const Act& A, float* y) {
+  const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
+  at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
+    Tile T;
+    T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
+      for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
+        const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
+        fill_tile<G, HB>(L, T, p0, np, g0, g1);
+        constexpr int MR = 3;
+        for (int64_t r0 = 0; r0 < RQ; r0 += MR) {
+          const int64_t rr = std::min<int64_t>(MR, RQ - r0);
+          for (int64_t i = 0; i < np; ++i) {
+            if (rr == 1) micro<1, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
+            else if (rr == 2) micro<2, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
+            else micro<3, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <int G, int HB>
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF) {
+  if (A.RQ > std::min<int64_t>(g_wide_rows, 4)) return many<G, HB>(L, A, y);
+  for (int64_t r0 = 0; r0 < A.RQ; r0 += 2) {
+    if (A.RQ - r0 >= 2) few<2, G, HB>(L, A, r0, y, PF);
+    else few<1, G, HB>(L, A, r0, y, PF);
+  }
+}
+#endif  // GGUF_AVX2
+"""
