@@ -355,6 +355,8 @@ def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
     return {str(pf): timer(pf) for pf in PREFETCH_LINES}
 
 
+# the native kernel's generation in the row switches' cache keys (issue 43's 16-row panels)
+KERNEL_KEY = "p16"
 # Row counts at which the native kernel and dequantize + dense GEMM are timed to place the switch
 GGUF_ROWS = (1, 4, 16, 32, 64, 128, 512)
 
@@ -399,7 +401,8 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
     for p in lin.parts:
         p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
                                         prefetch_candidates(p, lin.dtype), "0"))
-    shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}"
+    # the kernel's layout in the key: a new kernel (its row curve) is timed again, not read from the cache
+    shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}/{KERNEL_KEY}"
     if not switches:
         lin.dense_rows = lin.float_dense_rows = None
     elif lin.float_out:

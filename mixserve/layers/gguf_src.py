@@ -211,45 +211,60 @@ static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bit
   return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 
-// panel p's unsigned integers of group g, row-major: q[l * G + c] = row l's channel gG + c (scalar
-// bit work on 32-bit words; both variants)
+static inline __m256i shift16h(__m256i v, int s) {
+  return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
+}
+
+// panel p's unsigned integers of group g, row-major: q[l * G + c] = row l's channel gG + c (AVX2 on
+// both variants: each step's 16 lanes unpacked as two 32-byte halves, then the 4-byte words moved
+// to their rows)
 static void panel_group(const Layout& L, int64_t p, int64_t g, uint8_t* q) {
-  const int64_t G = L.G, h = G / 8;
+  const int64_t G = L.G, h = G / 8, HB = L.HB;
   const uint8_t* lg = L.lo + p * L.lpp + g * h * 64;
-  const uint8_t* hg = L.HB == 4 ? L.hi + p * L.hpp + g * h * 64 : (L.HB ? L.hi + p * L.hpp + g * 64 : nullptr);
-  for (int64_t l = 0; l < 16; ++l) {
-    const uint32_t hw = (L.HB == 1 || L.HB == 2) ? word_at(hg + 4 * l) : 0;
+  const uint8_t* hg = HB == 4 ? L.hi + p * L.hpp + g * h * 64 : (HB ? L.hi + p * L.hpp + g * 64 : nullptr);
+  alignas(64) uint8_t st[8 * 64];
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0xF0);
+  const __m256i mk = _mm256_set1_epi8(HB == 1 ? 0x10 : 0x30);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i hv = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32 * half)) : _mm256_setzero_si256();
     for (int64_t j = 0; j < h; ++j) {
-      const uint32_t v = word_at(lg + j * 64 + 4 * l), hv4 = L.HB == 4 ? word_at(hg + j * 64 + 4 * l) : 0;
-      for (int c = 0; c < 4; ++c) {
-        const uint32_t b = (v >> (8 * c)) & 0xFF, hb = (hv4 >> (8 * c)) & 0xFF, hx = (hw >> (8 * c)) & 0xFF;
-        uint32_t qa = b & 15, qb = b >> 4;
-        if (L.HB == 4) { qa |= (hb & 15) << 4; qb |= hb & 0xF0; }
-        else if (L.HB) {
-          const uint32_t mk = (1u << L.HB) - 1;
-          qa |= ((hx >> (L.HB * j)) & mk) << 4;
-          qb |= ((hx >> (L.HB * (j + h))) & mk) << 4;
-        }
-        q[l * G + 4 * j + c] = (uint8_t)qa;
-        q[l * G + 4 * (j + h) + c] = (uint8_t)qb;
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(lg + j * 64 + 32 * half));
+      __m256i qa = _mm256_and_si256(v, low), qb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if (HB == 4) {
+        const __m256i t = _mm256_loadu_si256((const __m256i*)(hg + j * 64 + 32 * half));
+        qa = _mm256_or_si256(qa, _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
+        qb = _mm256_or_si256(qb, _mm256_and_si256(t, top));
+      } else if (HB) {
+        qa = _mm256_or_si256(qa, _mm256_and_si256(shift16h(hv, 4 - (int)(HB * j)), mk));
+        qb = _mm256_or_si256(qb, _mm256_and_si256(shift16h(hv, 4 - (int)(HB * (j + h))), mk));
       }
+      _mm256_store_si256((__m256i*)(st + j * 64 + 32 * half), qa);
+      _mm256_store_si256((__m256i*)(st + (j + h) * 64 + 32 * half), qb);
     }
   }
+  for (int64_t l = 0; l < 16; ++l)
+    for (int64_t s = 0; s < G / 4; ++s) std::memcpy(q + l * G + 4 * s, st + s * 64 + 4 * l, 4);
 }
 
-// row l's s_g and m_g of panel p (scalars; m = -z * s for the symmetric types)
-static inline void scales_at(const Layout& L, int64_t p, int64_t l, int64_t g, float& s, float& m) {
+// panel p's s_g and m_g of group g for its 16 rows (m = -z * s for the symmetric types; AVX2, F16C)
+static inline void scales_panel(const Layout& L, int64_t p, int64_t g, float* s, float* m) {
   const int64_t sb = g * L.G / L.S;
-  const float d = (float)L.d[(p * L.nsb + sb) * 16 + l];
-  s = L.sc ? d * (float)L.sc[(p * L.ng + g) * 16 + l] : d;
-  if (L.dm) {
-    const float dm = (float)L.dm[(p * L.nsb + sb) * 16 + l];
-    m = L.mn ? dm * (float)L.mn[(p * L.ng + g) * 16 + l] : dm;
-  } else {
-    m = s * (float)(-L.z);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(L.d + (p * L.nsb + sb) * 16 + 8 * h)));
+    const __m256 sv = L.sc ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64((const __m128i*)(L.sc + (p * L.ng + g) * 16 + 8 * h))))) : d;
+    __m256 mv;
+    if (L.dm) {
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(L.dm + (p * L.nsb + sb) * 16 + 8 * h)));
+      mv = L.mn ? _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                      _mm_loadl_epi64((const __m128i*)(L.mn + (p * L.ng + g) * 16 + 8 * h))))) : dm;
+    } else {
+      mv = _mm256_mul_ps(sv, _mm256_set1_ps((float)(-L.z)));
+    }
+    _mm256_storeu_ps(s + 8 * h, sv);
+    _mm256_storeu_ps(m + 8 * h, mv);
   }
 }
-
 #endif
 
 #ifdef GGUF_VNNI
@@ -561,12 +576,11 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
 template <typename O>
 static void dequant_any(const Layout& L, const int64_t* rows, int64_t M, O* out) {
   const int64_t G = L.G;
-  auto one = [&](int64_t p, int64_t l, O* o, const uint8_t* q, int64_t g) {
-    float s, m;
-    scales_at(L, p, l, g, s, m);
+  auto one = [&](int64_t l, O* o, const uint8_t* q, const float* s, const float* m, int64_t g) {
+    const __m256 sv = _mm256_set1_ps(s[l]), mv = _mm256_set1_ps(m[l]);
     for (int64_t u = 0; u < G / 8; ++u) {
       const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + l * G + 8 * u))));
-      const __m256 w = _mm256_fmadd_ps(f, _mm256_set1_ps(s), _mm256_set1_ps(m));
+      const __m256 w = _mm256_fmadd_ps(f, sv, mv);
       O* dst = o + g * G + 8 * u;
       if constexpr (std::is_same<O, float>::value) _mm256_storeu_ps(dst, w);
       else _mm_storeu_si128((__m128i*)dst, to_bf16_8(w));
@@ -574,22 +588,26 @@ static void dequant_any(const Layout& L, const int64_t* rows, int64_t M, O* out)
   };
   if (!rows) {
     at::parallel_for(0, L.NP, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<uint8_t> q(16 * G);
+      alignas(64) uint8_t q[16 * 32];
+      alignas(32) float s[16], m[16];
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t g = 0; g < L.ng; ++g) {
-          panel_group(L, p, g, q.data());
-          for (int64_t l = 0; l < 16 && 16 * p + l < L.N; ++l) one(p, l, out + (16 * p + l) * L.K, q.data(), g);
+          panel_group(L, p, g, q);
+          scales_panel(L, p, g, s, m);
+          for (int64_t l = 0; l < 16 && 16 * p + l < L.N; ++l) one(l, out + (16 * p + l) * L.K, q, s, m, g);
         }
     });
     return;
   }
   at::parallel_for(0, M, 4, [&](int64_t i0, int64_t i1) {
-    std::vector<uint8_t> q(16 * G);
+    alignas(64) uint8_t q[16 * 32];
+    alignas(32) float s[16], m[16];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = rows[i], p = n / 16, l = n % 16;
       for (int64_t g = 0; g < L.ng; ++g) {
-        panel_group(L, p, g, q.data());
-        one(p, l, out + i * L.K, q.data(), g);
+        panel_group(L, p, g, q);
+        scales_panel(L, p, g, s, m);
+        one(l, out + i * L.K, q, s, m, g);
       }
     }
   });
