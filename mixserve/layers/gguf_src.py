@@ -102,7 +102,24 @@ struct Act {
   std::vector<int8_t> x1, x2;      // [RQ, K] the two bytes (the few-row kernel's; empty otherwise)
   std::vector<float> e, xs;        // [RQ, K/32] scales; [RQ, ng] e * sum of x16 over the group
   std::vector<int32_t> gs;         // [RQ, ng] sum of x16 over the group
+  // the many-row kernel's copy of x16: rows in blocks of PACK_ROWS, per block [K/2 channel pairs]
+  // [PACK_ROWS] (one base address for a block's broadcasts; rows past RQ zero)
+  std::vector<int32_t> xp;
 };
+static constexpr int64_t PACK_ROWS = 6;
+
+static void pack_rows(Act& A) {
+  const int64_t nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS, K2 = A.K / 2;
+  A.xp.assign(nb * K2 * PACK_ROWS, 0);
+  at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < PACK_ROWS && b * PACK_ROWS + r < A.RQ; ++r) {
+        const int32_t* src = (const int32_t*)(A.x16.data() + (b * PACK_ROWS + r) * A.K);
+        int32_t* dst = A.xp.data() + b * K2 * PACK_ROWS + r;
+        for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = src[t];
+      }
+  });
+}
 
 #ifdef GGUF_NATIVE
 // one row to int16 per 32 channels (AVX2, which both variants have): dx = max|x| / 127 (NaN where a
@@ -432,7 +449,7 @@ static inline void micro(const Layout& L, const Tile& T, int64_t i0, const Act& 
     for (int c = 0; c < NPAN; ++c)
       F[r][c] = g0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k[c], y + (r0 + r) * L.N + 16 * (p + c));
   const int32_t* W = T.W.data() + i0 * ws;
-  const int16_t* X = A.x16.data() + r0 * K;
+  const int32_t* X = A.xp.data() + (r0 / PACK_ROWS) * (K / 2) * PACK_ROWS;  // r0 starts a block
   for (int64_t g = g0; g < g1; ++g) {
     __m512i I[MR][NPAN];
 #pragma GCC unroll 8
@@ -440,7 +457,7 @@ static inline void micro(const Layout& L, const Tile& T, int64_t i0, const Act& 
 #pragma GCC unroll 2
       for (int c = 0; c < NPAN; ++c) I[r][c] = _mm512_setzero_si512();
     const int32_t* wg = W + (g - g0) * (G / 2) * 16;
-    const int16_t* xg = X + g * G;
+    const int32_t* xg = X + g * (G / 2) * PACK_ROWS;
 #pragma GCC unroll 16
     for (int t = 0; t < G / 2; ++t) {
       __m512i w[NPAN];
@@ -448,7 +465,7 @@ static inline void micro(const Layout& L, const Tile& T, int64_t i0, const Act& 
       for (int c = 0; c < NPAN; ++c) w[c] = _mm512_loadu_si512(wg + c * ws + t * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const __m512i xb = bcast4(xg + r * K + 2 * t);
+        const __m512i xb = _mm512_set1_epi32(xg[t * PACK_ROWS + r]);
 #pragma GCC unroll 2
         for (int c = 0; c < NPAN; ++c) I[r][c] = _mm512_dpwssd_epi32(I[r][c], w[c], xb);
       }
@@ -491,7 +508,7 @@ static void many(const Layout& L, const Act& A, float* y) {
       for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
         const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
         fill_tile<G, HB>(L, T, p0, np, g0, g1);
-        constexpr int MR = 6;
+        constexpr int MR = PACK_ROWS;
         for (int64_t r0 = 0; r0 < RQ; r0 += MR) {
           const int64_t rr = std::min<int64_t>(MR, RQ - r0);
           for (int64_t i = 0; i < np; i += 2) {
@@ -559,6 +576,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
   Act A;
   quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= g_wide_rows, A);
+#ifdef GGUF_VNNI
+  if (A.RQ > g_wide_rows) pack_rows(A);
+#endif
   float* yp = y.data_ptr<float>();
 #define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
