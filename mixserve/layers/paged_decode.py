@@ -30,6 +30,11 @@ _SRC = r"""
 #include <cmath>
 #include <vector>
 
+// the row of task i of B: rows from both ends in turn (0, B-1, 1, B-2, ...), so that each thread's
+// contiguous share of a prefill chunk (whose rows' contexts grow by one a row) holds as much work as
+// the other's; rows are independent, so the order changes no value
+static inline int64_t balanced(int64_t i, int64_t B) { return i % 2 == 0 ? i / 2 : B - 1 - i / 2; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The AVX2 path (head size a multiple of 8): explicit instructions, so that a row's arithmetic is
 // fixed by its own context alone, whichever rows, chunk or step it comes in (batch invariance):
@@ -75,7 +80,7 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
     std::vector<float> s, qf;
     std::vector<int64_t> slot;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hkv, kh = t % Hkv, L = lens[b], L8 = (L + 7) / 8 * 8;
+      const int64_t b = balanced(t / Hkv, B), kh = t % Hkv, L = lens[b], L8 = (L + 7) / 8 * 8;
       const int64_t* tab = tables + (row_table ? row_table[b] : b) * M;
       slot.resize(L);
       for (int64_t p0 = 0; p0 < L; p0 += bs) {
@@ -152,7 +157,7 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables, con
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(g * d), acc(g * d), row(d), s;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hkv, kh = t % Hkv, L = lens[b];
+      const int64_t b = balanced(t / Hkv, B), kh = t % Hkv, L = lens[b];
       const int64_t* tab = tables + (row_table ? row_table[b] : b) * M;
       for (int64_t j = 0; j < g; ++j) load_row(q + (b * H + kh * g + j) * d, qf.data() + j * d, d);
       s.assign(g * L, 0.f);
@@ -286,7 +291,7 @@ _fake_registered = False
 
 def kernel() -> Kernel:
     """This kernel as cpp_build builds it (one of cpp_build.BUNDLED)."""
-    return Kernel("mixserve_paged_decode_v6", _SRC, ("paged_decode", "paged_rows"))
+    return Kernel("mixserve_paged_decode_v7", _SRC, ("paged_decode", "paged_rows"))
 
 
 def build():
