@@ -314,7 +314,7 @@ def profiler_table(rows: list[dict]) -> str:
         top = ", ".join(f"{o['op']} {o['self_s'] * 1e3:.1f}" for o in t["top_ops_by_self_time"][:5])
         lines.append(f"| {_label(r)} | {t['step_s'] * 1e3:.1f} | {t['top_level_ops']:.0f}, "
                      f"{t['top_level_ops_s'] / t['step_s']:.0%} | "
-                     + " | ".join(f"{t[k] / f:.0%}" for k in ("linears_s", "lm_head_s", "attention_s", "other_ops_s"))
+                     + " | ".join(f"{t[k] / f:.0%}" if f else "-" for k in ("linears_s", "lm_head_s", "attention_s", "other_ops_s"))
                      + f" | {top} |")
     return "\n".join(lines)
 
@@ -330,6 +330,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-invariant", default="on", choices=("on", "off"))
     ap.add_argument("--out", default=None, help="default results/step_profile-<model>.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -340,7 +341,8 @@ def main() -> int:
     from mixserve.env import machine_info
     from mixserve.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, speculation="off", progress=False))
+    eng = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, speculation="off", progress=False,
+                               batch_invariant=a.batch_invariant))
     seeds = iter(range(10**6))
 
     def prompt(n):  # real words, so detokenization does its usual work

@@ -110,14 +110,17 @@ static constexpr int64_t PACK_ROWS = 6;
 
 static void pack_rows(Act& A) {
   const int64_t nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS, K2 = A.K / 2;
-  A.xp.assign(nb * K2 * PACK_ROWS, 0);
+  A.xp.resize(nb * K2 * PACK_ROWS);
   at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < PACK_ROWS && b * PACK_ROWS + r < A.RQ; ++r) {
-        const int32_t* src = (const int32_t*)(A.x16.data() + (b * PACK_ROWS + r) * A.K);
-        int32_t* dst = A.xp.data() + b * K2 * PACK_ROWS + r;
-        for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = src[t];
-      }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int32_t* src[PACK_ROWS];
+      static const int32_t zero = 0;
+      for (int64_t r = 0; r < PACK_ROWS; ++r)
+        src[r] = b * PACK_ROWS + r < A.RQ ? (const int32_t*)(A.x16.data() + (b * PACK_ROWS + r) * A.K) : nullptr;
+      int32_t* dst = A.xp.data() + b * K2 * PACK_ROWS;
+      for (int64_t t = 0; t < K2; ++t)  // contiguous writes, PACK_ROWS read streams
+        for (int64_t r = 0; r < PACK_ROWS; ++r) dst[t * PACK_ROWS + r] = src[r] ? src[r][t] : zero;
+    }
   });
 }
 
@@ -168,10 +171,12 @@ static void quantize16(const float* xr, int64_t K, bool full, int16_t* q, float*
 // planes the few-row kernel broadcasts
 static void quantize_act(const float* x, int64_t R, int64_t K, int64_t G, int64_t levels, bool bytes, Act& A) {
   const int64_t per = (levels + 1) / 2;
+  // every element below is written: resize keeps a reused buffer's pages (fresh ones fault in,
+  // ~20% of a 512-row call's time when allocated per call)
   A.RQ = R * per; A.K = K; A.ng = K / G;
-  A.x16.assign(A.RQ * K, 0); A.e.assign(A.RQ * (K / 32), 0.f);
-  A.gs.assign(A.RQ * A.ng, 0); A.xs.assign(A.RQ * A.ng, 0.f);
-  if (bytes) { A.x1.assign(A.RQ * K, 0); A.x2.assign(A.RQ * K, 0); }
+  A.x16.resize(A.RQ * K); A.e.resize(A.RQ * (K / 32));
+  A.gs.resize(A.RQ * A.ng); A.xs.resize(A.RQ * A.ng);
+  if (bytes) { A.x1.resize(A.RQ * K); A.x2.resize(A.RQ * K); }
   // rows are quantized independently: on every thread (a 512-token prefill's rows took ~0.5 s on one)
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> rest(2 * K);
@@ -501,7 +506,7 @@ template <int G, int HB>
 static void many(const Layout& L, const Act& A, float* y) {
   const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
   at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
-    Tile T;
+    static thread_local Tile T;  // kept between calls: every element used is written by fill_tile
     T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
@@ -574,7 +579,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   auto y = torch::empty({R * per, L.N}, x.options());
 #ifdef GGUF_NATIVE
   if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
-  Act A;
+  static thread_local Act A;  // kept between calls (see quantize_act)
   quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= g_wide_rows, A);
 #ifdef GGUF_VNNI
   if (A.RQ > g_wide_rows) pack_rows(A);
@@ -875,7 +880,7 @@ template <int G, int HB>
 static void many(const Layout& L, const Act& A, float* y) {
   const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
   at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
-    Tile T;
+    static thread_local Tile T;  // kept between calls: every element used is written by fill_tile
     T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
