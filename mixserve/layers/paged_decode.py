@@ -28,6 +28,7 @@ _SRC = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 // the row of task i of B: rows from both ends in turn (0, B-1, 1, B-2, ...), so that each thread's
@@ -77,7 +78,7 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
                      int64_t M, float scale) {
   const int64_t g = H / Hkv, D8 = d / 8;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s, qf;
+    std::vector<float> s, qf, kf, vf;
     std::vector<int64_t> slot;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = balanced(t / Hkv, B), kh = t % Hkv, L = lens[b], L8 = (L + 7) / 8 * 8;
@@ -90,8 +91,14 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       s.assign(g * L8, 0.f);
       qf.resize(g * d);
       for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[(b * H + kh * g) * d + i]);
+      // bf16 K and V rows widened to float32 once for the g query heads (exact: the same values
+      // the loops below read, so the same bits), not once per head
+      constexpr bool widen = !std::is_same<T, float>::value;
+      if (widen) { kf.resize(d); vf.resize(L * d); }
       for (int64_t p = 0; p < L; ++p) {  // each K row read once for the KV head's g query heads
-        const T* kr = kc + slot[p] * d;
+        const float* kr = widen ? kf.data() : reinterpret_cast<const float*>(kc + slot[p] * d);
+        if (widen)
+          for (int64_t i = 0; i < D8; ++i) _mm256_storeu_ps(kf.data() + 8 * i, ld8(kc + slot[p] * d + 8 * i));
         for (int64_t j = 0; j < g; ++j) {
           const float* qj = qf.data() + j * d;
           __m256 acc = _mm256_mul_ps(ld8(qj), ld8(kr));
@@ -99,6 +106,9 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
           s[j * L8 + p] = hsum8(acc) * scale;
         }
       }
+      if (widen)
+        for (int64_t p = 0; p < L; ++p)
+          for (int64_t i = 0; i < D8; ++i) _mm256_storeu_ps(vf.data() + p * d + 8 * i, ld8(vc + slot[p] * d + 8 * i));
       for (int64_t j = 0; j < g; ++j) {
         float* sj = s.data() + j * L8;
         float m = -INFINITY;
@@ -121,7 +131,7 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
           for (int64_t i = 0; i < n8; ++i) acc[i] = _mm256_setzero_ps();
           for (int64_t p = 0; p < L; ++p) {
             const __m256 w = _mm256_set1_ps(sj[p]);
-            const T* vr = vc + slot[p] * d + 8 * i0;
+            const float* vr = (widen ? vf.data() + p * d : reinterpret_cast<const float*>(vc + slot[p] * d)) + 8 * i0;
             if (n8 == 8) {
 #pragma GCC unroll 8
               for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, ld8(vr + 8 * i), acc[i]);
