@@ -32,7 +32,11 @@ SCRATCH_MAX_ELEMENTS = 32 << 20
 # shared/cases/seeded-output-depends-on-batch.md case 2, whose reference gap is 0.026 (not a near-tie);
 # two levels (the residual of the first quantized again) moved it by at most 0.001, under the 0.01 tie
 # rule (emulated in PyTorch on this project's AVX2 EPYC, BENCHMARKS.md "One request, one answer").
-# MIXSERVE_GGUF_ACT_LEVELS=1 gives llama.cpp's activations back.
+# Since issue 43's panel kernel the two levels are one int16 per channel, x16 = round(256 x / dx), the
+# second level's step dx / 256 fixed (it was max|rest| / 127 <= dx / 254), so both sum in int32
+# (layers/gguf_src.py); tests/integration/test_gguf_native_real.py checks the 0.5B's greedy answers
+# against the dequantized load with the tie rule. MIXSERVE_GGUF_ACT_LEVELS=1 gives llama.cpp's
+# activations back.
 _LEVELS_ENV = os.environ.get("MIXSERVE_GGUF_ACT_LEVELS", "2")
 ACT_LEVELS = int(_LEVELS_ENV) if _LEVELS_ENV in ("1", "2", "3", "4") else 2
 if _LEVELS_ENV != str(ACT_LEVELS):
@@ -186,7 +190,7 @@ class GGUFWeight:
 class GGUFLinear(nn.Module):
     """y = x @ W^T + b with W the row-stack of GGUFWeight `parts` (one per GGUF type run).
 
-    Few rows (decode): the native kernel (ACT_LEVELS int8 levels per activation row,
+    Few rows (decode): the native kernel (ACT_LEVELS int8 levels per activation row, two making one int16,
     layers/gguf_kernels.py). From
     `dense_rows` rows (None: never) the weight is dequantized to the compute dtype into a scratch
     buffer and the dense GEMM runs; where that pays is measured per machine

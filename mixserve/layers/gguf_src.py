@@ -225,6 +225,34 @@ static inline int64_t tile_panels(int64_t NP, int64_t kc) {
   return std::max<int64_t>(1, tp);
 }
 
+// the int16 tile of the many-row kernels (both variants): per panel [channel pairs of the block][16
+// lanes] of (q - z) pairs, then per group the 16 lanes' s and m; one per thread, kept between calls
+struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
+
+static Tile& thread_tile() {
+  static thread_local Tile T;  // every element a call uses is written by its fill_tile
+  return T;
+}
+
+// the many-row kernels' frame: per tile of panels (split over the threads) and block of groups,
+// fill(T, p0, np, g0, g1) unpacks them once, then rows(T, p0, np, g0, g1) runs every activation row
+template <typename Fill, typename Rows>
+static void over_tiles(const Layout& L, Fill&& fill, Rows&& rows) {
+  const int64_t kc = block_channels(L.K), TP = tile_panels(L.NP, kc), kg = kc / L.G;
+  at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
+    Tile& T = thread_tile();
+    T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
+      for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
+        const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
+        fill(T, p0, np, g0, g1);
+        rows(T, p0, np, g0, g1);
+      }
+    }
+  });
+}
+
 static inline uint32_t word_at(const uint8_t* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
 
 static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
@@ -390,9 +418,6 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
   });
 }
 
-// the int16 tile: per panel [K/2 channel pairs][16 lanes] of (q - z) pairs, then per group the 16
-// lanes' s (and m)
-struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
 
 // an unsigned byte vector (lane l: 4 channels) -> its channel pairs (0, 1) and (2, 3) as int16 pairs, less z
 static inline void widen(__m512i q, __m512i zz, __m512i& p01, __m512i& p23) {
@@ -506,32 +531,23 @@ static inline void micro_panels(const Layout& L, const Tile& T, int64_t i, int64
 
 template <int G, int HB>
 static void many(const Layout& L, const Act& A, float* y) {
-  const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
-  at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
-    static thread_local Tile T;  // kept between calls: every element used is written by fill_tile
-    T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
-      for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
-        const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
-        fill_tile<G, HB>(L, T, p0, np, g0, g1);
-        constexpr int MR = PACK_ROWS;
-        for (int64_t r0 = 0; r0 < RQ; r0 += MR) {
-          const int64_t rr = std::min<int64_t>(MR, RQ - r0);
-          for (int64_t i = 0; i < np; i += 2) {
-            switch (rr) {
-              case 1: micro_panels<1, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-              case 2: micro_panels<2, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-              case 3: micro_panels<3, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-              case 4: micro_panels<4, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-              case 5: micro_panels<5, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-              default: micro_panels<6, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
-            }
+  over_tiles(L, [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) { fill_tile<G, HB>(L, T, p0, np, g0, g1); },
+    [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+      constexpr int MR = PACK_ROWS;
+      for (int64_t r0 = 0; r0 < A.RQ; r0 += MR) {
+        const int64_t rr = std::min<int64_t>(MR, A.RQ - r0);
+        for (int64_t i = 0; i < np; i += 2) {
+          switch (rr) {
+            case 1: micro_panels<1, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            case 2: micro_panels<2, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            case 3: micro_panels<3, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            case 4: micro_panels<4, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            case 5: micro_panels<5, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
+            default: micro_panels<6, G>(L, T, i, np, A, r0, y, p0 + i, g0, g1); break;
           }
         }
       }
-    }
-  });
+    });
 }
 
 template <int G, int HB>
@@ -798,8 +814,6 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
   });
 }
 
-struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
-
 // per panel, the same int16 tile as the VNNI variant's (lanes 0-15 of each channel pair), less z
 template <int G, int HB>
 static void fill_tile(const Layout& L, Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
@@ -880,27 +894,18 @@ static inline void micro(const Layout& L, const Tile& T, int64_t i, const Act& A
 
 template <int G, int HB>
 static void many(const Layout& L, const Act& A, float* y) {
-  const int64_t K = L.K, kc = block_channels(K), TP = tile_panels(L.NP, kc), RQ = A.RQ, kg = kc / G;
-  at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
-    static thread_local Tile T;  // kept between calls: every element used is written by fill_tile
-    T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p0 = t * TP, np = std::min<int64_t>(TP, L.NP - p0);
-      for (int64_t g0 = 0; g0 < L.ng; g0 += kg) {
-        const int64_t g1 = std::min<int64_t>(L.ng, g0 + kg);
-        fill_tile<G, HB>(L, T, p0, np, g0, g1);
-        constexpr int MR = 3;
-        for (int64_t r0 = 0; r0 < RQ; r0 += MR) {
-          const int64_t rr = std::min<int64_t>(MR, RQ - r0);
-          for (int64_t i = 0; i < np; ++i) {
-            if (rr == 1) micro<1, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
-            else if (rr == 2) micro<2, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
-            else micro<3, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
-          }
+  over_tiles(L, [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) { fill_tile<G, HB>(L, T, p0, np, g0, g1); },
+    [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+      constexpr int MR = 3;
+      for (int64_t r0 = 0; r0 < A.RQ; r0 += MR) {
+        const int64_t rr = std::min<int64_t>(MR, A.RQ - r0);
+        for (int64_t i = 0; i < np; ++i) {
+          if (rr == 1) micro<1, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
+          else if (rr == 2) micro<2, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
+          else micro<3, G>(L, T, i, A, r0, y, p0 + i, g0, g1);
         }
       }
-    }
-  });
+    });
 }
 
 template <int G, int HB>

@@ -253,6 +253,24 @@ def test_linear_parts_dense_switch_and_float_head():
         assert out.dtype == torch.float32 and (out.reshape(-1, 112).double() - exact).abs().max() < 1e-5 * exact.abs().max()
 
 
+def test_panels_concatenate_and_permute_as_rows():
+    """The 16-row panel layout (issue 43) keeps GGUFWeight's row operations: parts of 37 and 5 rows
+    (partial panels) stacked, and rows reordered (llama files' Q/K rows), dequantize to the stacked /
+    reordered rows and multiply as them, bit for bit."""
+    k = 256
+    a = GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 37, k, seed=11), k)
+    b = GGUFWeight.from_blocks("Q4_K", random_blocks("Q4_K", 5, k, seed=12), k)
+    both = GGUFWeight.concat([a, b])
+    ref = torch.cat([a.dequantize(), b.dequantize()])
+    assert both.out_features == 42 and both.lo.shape[0] == 3 and torch.equal(both.dequantize(), ref)
+    x = torch.randn(3, k)
+    assert torch.equal(both.matmul(x, 2), torch.cat([a.matmul(x, 2), b.matmul(x, 2)], 1))
+    index = torch.randperm(42, generator=torch.Generator().manual_seed(0))
+    perm = both.permute_rows(index)
+    assert torch.equal(perm.dequantize(), ref[index])
+    assert torch.equal(perm.matmul(x, 2), both.matmul(x, 2)[:, index])
+
+
 def test_embedding_rows_are_the_dequantized_rows():
     w = GGUFWeight.from_blocks("Q5_0", random_blocks("Q5_0", 50, 96), 96)
     emb = GGUFEmbedding(w, torch.bfloat16)
