@@ -267,14 +267,12 @@ static inline __m256i shift16h(__m256i v, int s) {
   return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
 }
 
-// panel p's unsigned integers of group g, row-major: q[l * G + c] = row l's channel gG + c (AVX2 on
-// both variants: each step's 16 lanes unpacked as two 32-byte halves, then the 4-byte words moved
-// to their rows)
-static void panel_group(const Layout& L, int64_t p, int64_t g, uint8_t* q) {
+// panel p's unsigned integers of group g in step order: st[s * 64 + 4 l + c] = row l's channel
+// gG + 4s + c (AVX2 on both variants: each step's 16 lanes unpacked as two 32-byte halves)
+static void panel_steps(const Layout& L, int64_t p, int64_t g, uint8_t* st) {
   const int64_t G = L.G, h = G / 8, HB = L.HB;
   const uint8_t* lg = L.lo + p * L.lpp + g * h * 64;
   const uint8_t* hg = HB == 4 ? L.hi + p * L.hpp + g * h * 64 : (HB ? L.hi + p * L.hpp + g * 64 : nullptr);
-  alignas(64) uint8_t st[8 * 64];
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8((char)0xF0);
   const __m256i mk = _mm256_set1_epi8(HB == 1 ? 0x10 : 0x30);
   for (int half = 0; half < 2; ++half) {
@@ -290,12 +288,19 @@ static void panel_group(const Layout& L, int64_t p, int64_t g, uint8_t* q) {
         qa = _mm256_or_si256(qa, _mm256_and_si256(shift16h(hv, 4 - (int)(HB * j)), mk));
         qb = _mm256_or_si256(qb, _mm256_and_si256(shift16h(hv, 4 - (int)(HB * (j + h))), mk));
       }
-      _mm256_store_si256((__m256i*)(st + j * 64 + 32 * half), qa);
-      _mm256_store_si256((__m256i*)(st + (j + h) * 64 + 32 * half), qb);
+      _mm256_storeu_si256((__m256i*)(st + j * 64 + 32 * half), qa);
+      _mm256_storeu_si256((__m256i*)(st + (j + h) * 64 + 32 * half), qb);
     }
   }
+}
+
+// panel p's unsigned integers of group g, row-major: q[l * G + c] = row l's channel gG + c (the
+// step order's 4-byte words moved to their rows)
+static void panel_group(const Layout& L, int64_t p, int64_t g, uint8_t* q) {
+  alignas(64) uint8_t st[8 * 64];
+  panel_steps(L, p, g, st);
   for (int64_t l = 0; l < 16; ++l)
-    for (int64_t s = 0; s < G / 4; ++s) std::memcpy(q + l * G + 4 * s, st + s * 64 + 4 * l, 4);
+    for (int64_t s = 0; s < L.G / 4; ++s) std::memcpy(q + l * L.G + 4 * s, st + s * 64 + 4 * l, 4);
 }
 
 // panel p's s_g and m_g of group g for its 16 rows (m = -z * s for the symmetric types; AVX2, F16C)
@@ -814,21 +819,34 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
   });
 }
 
-// per panel, the same int16 tile as the VNNI variant's (lanes 0-15 of each channel pair), less z
+// per panel, the same int16 tile as the VNNI variant's (lanes 0-15 of each channel pair), less z:
+// each step's unsigned bytes (panel_steps) widened to its two channel pairs, 8 lanes at a time
+static inline void widen8(__m256i q, __m256i zz, __m256i& p01, __m256i& p23) {
+  const __m256i b0 = _mm256_set1_epi32(0xFF), b1 = _mm256_set1_epi32(0xFF00);
+  const __m256i u = _mm256_srli_epi32(q, 16);
+  p01 = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(q, b0), _mm256_slli_epi32(_mm256_and_si256(q, b1), 8)), zz);
+  p23 = _mm256_sub_epi16(_mm256_or_si256(_mm256_and_si256(u, b0), _mm256_slli_epi32(_mm256_and_si256(u, b1), 8)), zz);
+}
+
 template <int G, int HB>
 static void fill_tile(const Layout& L, Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
   const int64_t nbg = g1 - g0, ws = nbg * (G / 2) * 16;
-  std::vector<uint8_t> q(16 * G);
+  const __m256i zz = _mm256_set1_epi16((short)L.z);
+  alignas(64) uint8_t st[8 * 64];
   for (int64_t i = 0; i < np; ++i) {
     const int64_t p = p0 + i;
     int32_t* W = T.W.data() + i * ws;
     for (int64_t g = g0; g < g1; ++g) {
-      panel_group(L, p, g, q.data());
-      for (int64_t l = 0; l < 16; ++l)
-        for (int64_t t = 0; t < G / 2; ++t) {
-          const int16_t a = (int16_t)(q[l * G + 2 * t] - L.z), b = (int16_t)(q[l * G + 2 * t + 1] - L.z);
-          W[((g - g0) * G / 2 + t) * 16 + l] = (int32_t)(uint16_t)a | (int32_t)((uint32_t)(uint16_t)b << 16);
+      panel_steps(L, p, g, st);
+      for (int64_t s = 0; s < G / 4; ++s) {
+        const int64_t t = ((g - g0) * G + 4 * s) / 2;
+        for (int half = 0; half < 2; ++half) {
+          __m256i p01, p23;
+          widen8(_mm256_load_si256((const __m256i*)(st + s * 64 + 32 * half)), zz, p01, p23);
+          _mm256_storeu_si256((__m256i*)(W + t * 16 + 8 * half), p01);
+          _mm256_storeu_si256((__m256i*)(W + (t + 1) * 16 + 8 * half), p23);
         }
+      }
       for (int h = 0; h < 2; ++h) {
         __m256 s, m;
         scales8(L, p, g, h, s, m);
