@@ -94,21 +94,37 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       // bf16 K and V rows widened to float32 once for the g query heads (exact: the same values
       // the loops below read, so the same bits), not once per head
       constexpr bool widen = !std::is_same<T, float>::value;
-      if (widen) { kf.resize(d); vf.resize(L * d); }
-      for (int64_t p = 0; p < L; ++p) {  // each K row read once for the KV head's g query heads
-        const float* kr = widen ? kf.data() : reinterpret_cast<const float*>(kc + slot[p] * d);
-        if (widen)
-          for (int64_t i = 0; i < D8; ++i) _mm256_storeu_ps(kf.data() + 8 * i, ld8(kc + slot[p] * d + 8 * i));
-        for (int64_t j = 0; j < g; ++j) {
-          const float* qj = qf.data() + j * d;
+      if (widen) {
+        kf.resize(L * d); vf.resize(L * d);
+        for (int64_t p = 0; p < L; ++p)
+          for (int64_t i = 0; i < D8; ++i) {
+            _mm256_storeu_ps(kf.data() + p * d + 8 * i, ld8(kc + slot[p] * d + 8 * i));
+            _mm256_storeu_ps(vf.data() + p * d + 8 * i, ld8(vc + slot[p] * d + 8 * i));
+          }
+      }
+      // a query head's vector stays in registers over the positions (per score: its K row's loads and
+      // one FMA chain, in the same order as ever)
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qf.data() + j * d;
+        if (D8 == 8) {
+          __m256 qv[8];
+          for (int i = 0; i < 8; ++i) qv[i] = ld8(qj + 8 * i);
+          for (int64_t p = 0; p < L; ++p) {
+            const float* kr = widen ? kf.data() + p * d : reinterpret_cast<const float*>(kc + slot[p] * d);
+            __m256 acc = _mm256_mul_ps(qv[0], ld8(kr));
+#pragma GCC unroll 7
+            for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(qv[i], ld8(kr + 8 * i), acc);
+            s[j * L8 + p] = hsum8(acc) * scale;
+          }
+          continue;
+        }
+        for (int64_t p = 0; p < L; ++p) {
+          const float* kr = widen ? kf.data() + p * d : reinterpret_cast<const float*>(kc + slot[p] * d);
           __m256 acc = _mm256_mul_ps(ld8(qj), ld8(kr));
           for (int64_t i = 1; i < D8; ++i) acc = _mm256_fmadd_ps(ld8(qj + 8 * i), ld8(kr + 8 * i), acc);
           s[j * L8 + p] = hsum8(acc) * scale;
         }
       }
-      if (widen)
-        for (int64_t p = 0; p < L; ++p)
-          for (int64_t i = 0; i < D8; ++i) _mm256_storeu_ps(vf.data() + p * d + 8 * i, ld8(vc + slot[p] * d + 8 * i));
       for (int64_t j = 0; j < g; ++j) {
         float* sj = s.data() + j * L8;
         float m = -INFINITY;
@@ -124,6 +140,39 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
         }
         const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));
         for (int64_t p = 0; p < L8; p += 8) _mm256_storeu_ps(sj + p, _mm256_mul_ps(_mm256_loadu_ps(sj + p), inv));
+      }
+#ifdef __AVX512F__
+      // d = 64 with AVX-512: four query heads' V sums at once (16 accumulators), each V row read once
+      // for them; every output element is still one FMA chain over the positions in order, so the
+      // same bits as the 8-lane loop below
+      int64_t j0 = 0;
+      if (d == 64) {
+        for (; j0 + 4 <= g; j0 += 4) {
+          __m512 acc[4][4];
+          for (int h = 0; h < 4; ++h)
+            for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < L; ++p) {
+            const float* vr = widen ? vf.data() + p * d : reinterpret_cast<const float*>(vc + slot[p] * d);
+            __m512 v[4];
+            for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
+            for (int h = 0; h < 4; ++h) {
+              const __m512 w = _mm512_set1_ps(s[(j0 + h) * L8 + p]);
+              for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_fmadd_ps(w, v[i], acc[h][i]);
+            }
+          }
+          for (int h = 0; h < 4; ++h) {
+            T* o = out + (b * H + kh * g + j0 + h) * d;
+            alignas(64) float tmp[64];
+            for (int i = 0; i < 4; ++i) _mm512_store_ps(tmp + 16 * i, acc[h][i]);
+            for (int e = 0; e < 64; ++e) o[e] = static_cast<T>(tmp[e]);
+          }
+        }
+      }
+#else
+      const int64_t j0 = 0;
+#endif
+      for (int64_t j = j0; j < g; ++j) {
+        const float* sj = s.data() + j * L8;
         T* o = out + (b * H + kh * g + j) * d;
         for (int64_t i0 = 0; i0 < D8; i0 += 8) {  // 8 registers of the output at a time
           const int64_t n8 = std::min<int64_t>(8, D8 - i0);
