@@ -149,14 +149,25 @@ class GGUFWeight:
 
     @staticmethod
     def concat(parts: list["GGUFWeight"]) -> "GGUFWeight":
-        """Parts of one type and input size stacked along the output rows."""
+        """Parts of one type and input size stacked along the output rows. Raises ValueError for
+        parts of different types or input sizes, or none."""
+        if not parts or len({(p.qtype, p.in_features) for p in parts}) != 1:
+            raise ValueError("GGUFWeight.concat: parts must share one GGUF type and input size, got "
+                             + ", ".join(f"{p.qtype} [{p.out_features}, {p.in_features}]" for p in parts))
         a = parts[0]
         planes = {name: torch.cat([p._rows(name) for p in parts]) for name in GGUFWeight.TENSORS
                   if getattr(a, name).numel()}
         return a._with_rows(planes, sum(p.out_features for p in parts))
 
     def permute_rows(self, index: torch.Tensor) -> "GGUFWeight":
-        """The same weight with its output rows reordered (w'[i] = w[index[i]])."""
+        """The same weight with its output rows reordered (w'[i] = w[index[i]]). index: an integer
+        permutation of range(N); raises ValueError otherwise."""
+        index = torch.as_tensor(index)
+        n = self.out_features
+        if (index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() != 1 or index.numel() != n
+                or not torch.equal(torch.sort(index.long()).values, torch.arange(n))):
+            raise ValueError(f"permute_rows: index must be a permutation of range({n}) (integers, one dimension)")
+        index = index.long()
         planes = {name: self._rows(name)[index] for name in self.TENSORS if getattr(self, name).numel()}
         return self._with_rows(planes, self.out_features)
 
@@ -182,6 +193,8 @@ class GGUFWeight:
             out = torch.empty(m, self.in_features, dtype=dtype)
         else:
             out = out.view(-1)[: m * self.in_features].view(m, self.in_features)
+        if rows is not None and (rows.dtype.is_floating_point or rows.dtype == torch.bool):
+            raise ValueError(f"dequantize: rows must be integer indices, got {rows.dtype}")
         idx = _NO_ROWS if rows is None else rows.reshape(-1).long().contiguous()
         torch.ops.mixserve.gguf_dequant(*self._args(), idx, rows is None, out)
         return out

@@ -18,7 +18,8 @@ affine map w = s_g * q + m_g (layers/gguf_blocks.py). A group's channels run in 
 
 Activations. Each activation row is quantized per 32 channels to a 16-bit integer x16 = round(256 *
 x / dx), dx = max|x| / 127, |x16| <= 32512, with the scale e = dx / 256 (one int16 row; `levels`
-2). Its two bytes are the two int8 levels of earlier kernels, combined exactly: x16 = 256 * x1 + x2
+2); where 1 / dx overflows (max|x| below ~1e-37) dx = 0, so the block's x16 and e are 0, and where a
+value is not finite dx is NaN (the row's outputs are NaN). Its two bytes are the two int8 levels of earlier kernels, combined exactly: x16 = 256 * x1 + x2
 with x1 = (x16 + 128) >> 8 in [-127, 127] and x2 in [-128, 127]. Odd `levels` make the last row
 x16 = 256 * round(x / dx) (one int8 level); 3 and 4 add a row for what the first left over
 (fma(-x16, e, x), quantized the same way), the rows' outputs summed in float32.
@@ -556,8 +557,8 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF) {
-  if (A.RQ > g_wide_rows) return many<G, HB>(L, A, y);
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide) {
+  if (A.RQ > wide) return many<G, HB>(L, A, y);
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
     switch (std::min<int64_t>(4, A.RQ - r0)) {
       case 1: few<1, G, HB>(L, A, r0, y, PF); break;
@@ -603,12 +604,14 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
 #ifdef GGUF_NATIVE
   if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
   static thread_local Act A;  // kept between calls (see quantize_act)
-  quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= g_wide_rows, A);
+  // read once: another thread's gguf_wide_rows between the reads would leave the planes a kernel reads unbuilt
+  const int64_t wide = g_wide_rows;
+  quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= wide, A);
 #ifdef GGUF_VNNI
-  if (A.RQ > g_wide_rows) pack_rows(A);
+  if (A.RQ > wide) pack_rows(A);
 #endif
   float* yp = y.data_ptr<float>();
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
   { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
 #undef GGUF_CASE
@@ -673,6 +676,7 @@ void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor 
   const int64_t M = out.size(0);
   TORCH_CHECK(all_rows ? M == L.N : (rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == M),
               "gguf dequantize: rows int64 [M] contiguous");
+  if (!all_rows && M == 0) return;  // no rows asked for (an empty tensor's data pointer is null: not "all")
   const int64_t* rp = all_rows ? nullptr : rows.data_ptr<int64_t>();
   if (rp)
     for (int64_t i = 0; i < M; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < L.N, "gguf dequantize: row out of range");
@@ -927,8 +931,8 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF) {
-  if (A.RQ > std::min<int64_t>(g_wide_rows, 4)) return many<G, HB>(L, A, y);
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide) {
+  if (A.RQ > std::min<int64_t>(wide, 4)) return many<G, HB>(L, A, y);
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 2) {
     if (A.RQ - r0 >= 2) few<2, G, HB>(L, A, r0, y, PF);
     else few<1, G, HB>(L, A, r0, y, PF);

@@ -271,6 +271,26 @@ def test_panels_concatenate_and_permute_as_rows():
     assert torch.equal(perm.matmul(x, 2), both.matmul(x, 2)[:, index])
 
 
+def test_bad_row_operations_are_refused_and_empty_rows_write_nothing():
+    """Break-it findings (issue 43's panels): no rows asked for writes nothing (an empty index's null
+    data pointer once meant "all rows": the whole weight was written past a [0, K] buffer, and an
+    embedding of no ids crashed); parts of two types do not concatenate; a non-permutation or a
+    non-integer index is refused."""
+    w = GGUFWeight.from_blocks("Q8_0", random_blocks("Q8_0", 4, 32), 32)
+    buf = torch.zeros(128)
+    out = w.dequantize(rows=torch.empty(0, dtype=torch.long), out=buf)
+    assert out.shape == (0, 32) and not buf.any()
+    assert GGUFEmbedding(w, torch.bfloat16)(torch.empty(0, dtype=torch.long)).shape == (0, 32)
+    with pytest.raises(ValueError, match="rows must be integer"):
+        w.dequantize(rows=torch.tensor([0.0, 1.0]))
+    other = GGUFWeight.from_blocks("Q5_0", random_blocks("Q5_0", 4, 32), 32)
+    with pytest.raises(ValueError, match="one GGUF type"):
+        GGUFWeight.concat([w, other])
+    for bad in (torch.arange(3), torch.tensor([0, 0, 1, 2]), torch.tensor([0.0, 1, 2, 3]), torch.arange(4).view(2, 2)):
+        with pytest.raises(ValueError, match="permutation"):
+            w.permute_rows(bad)
+
+
 def test_embedding_rows_are_the_dequantized_rows():
     w = GGUFWeight.from_blocks("Q5_0", random_blocks("Q5_0", 50, 96), 96)
     emb = GGUFEmbedding(w, torch.bfloat16)
