@@ -8,7 +8,7 @@ the median of passes over the copies, as the engine's kernel choices time):
   - sum: torch's `t.sum()` over float32 buffers of the same size, in turn: what a plain stream reads.
 GB/s = the weight's resident bytes per call / seconds; --prefetch lists the kernel's prefetch distances
 (64-byte lines ahead; 0: the hardware prefetcher alone). --model 0.5b takes the 0.5B's shapes instead
-(K = 896 and 4864: rows whose last block is partial) and its LM head at three levels; the dram copies
+(K = 896 and 4864) and its LM head at three levels; the dram copies
 are then as many as make ~96 MB, past this project's CPUs' last-level caches.
 
     flock /tmp/heavy.lock python benchmarks/gguf_stream.py [--model 0.5b]
