@@ -102,6 +102,8 @@ class GGUFWeight:
 
     @property
     def panels(self) -> int:
+        """How many 16-row panels hold the N output rows (the planes' first dimension; the last
+        panel's rows past N are zero)."""
         return -(-self.out_features // 16)
 
     @classmethod

@@ -254,7 +254,6 @@ static void over_tiles(const Layout& L, Fill&& fill, Rows&& rows) {
   });
 }
 
-static inline uint32_t word_at(const uint8_t* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
 
 static inline __m128i to_bf16_8(__m256 v) {  // round to nearest even on the bits (the weights are finite)
   __m256i u = _mm256_castps_si256(v);
