@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixserve.device import HostStager
+from mixserve.host_memory import empty_zeroed
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from mixserve.engine.sampler import token_logprobs
@@ -49,22 +50,8 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     if torch.device(device).type != "cpu":
         return ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
                 [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
-    return [_zeroed_host(shape, dtype) for _ in range(cfg.num_layers)], \
-        [_zeroed_host(shape, dtype) for _ in range(cfg.num_layers)]
-
-
-def _zeroed_host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on an anonymous memory map, whose pages the OS zeroes on first touch,
-    where torch.zeros writes every byte now (a 0.5B's default cache took ~1-2 s of a warm start,
-    issue 32). Page-aligned, at offset 0 of its storage (an offset would be one more size in a
-    compiled decode graph). The tensor keeps the map alive."""
-    import math
-    import mmap
-
-    n = dtype.itemsize * math.prod(shape)
-    if n == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)
+    return [empty_zeroed(shape, dtype) for _ in range(cfg.num_layers)], \
+        [empty_zeroed(shape, dtype) for _ in range(cfg.num_layers)]
 
 
 @dataclass

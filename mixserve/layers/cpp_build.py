@@ -80,7 +80,8 @@ class Kernel:
 # The kernels a CPU start builds, compiled as one translation unit: each build of its own parsed
 # the torch headers again (~3 s of 4.0-7.7 s each on a 2-core Zen 5 EPYC); one unit took 9.6-9.9 s
 # against 16.0-16.3 s for the three (benchmarks/cpp_headers.py; issue 32). Each module has `kernel()`.
-BUNDLED = ("mixserve.layers.gguf_kernels", "mixserve.layers.paged_decode", "mixserve.layers.invariant_linear")
+BUNDLED = ("mixserve.layers.gguf_kernels", "mixserve.layers.paged_decode", "mixserve.layers.invariant_linear",
+           "mixserve.layers.rmsnorm")
 BUNDLE_NAME = "mixserve_kernels"
 
 

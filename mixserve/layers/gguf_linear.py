@@ -325,6 +325,27 @@ def random_weight(qtype: str, n: int, k: int, seed: int = 0) -> GGUFWeight:
     return GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed), k)
 
 
+def weights_on_huge_pages(model: nn.Module) -> int:
+    """Move every GGUFWeight plane of `model` (its GGUFLinear and GGUFEmbedding modules) of 2 MB or
+    more onto transparent huge pages (host_memory.py: the 1.5B's one-row decode streams its weights
+    faster there); a plane two weights share stays shared. Returns the bytes moved (0 where the OS
+    grants no huge pages). Call before the kernels' timings, which should see the weights as served."""
+    from mixserve.host_memory import on_huge_pages
+
+    moved: dict[int, torch.Tensor] = {}
+    weights = {id(w): w for m in model.modules()
+               for w in (m.parts if isinstance(m, GGUFLinear) else [m.weight_q] if isinstance(m, GGUFEmbedding) else [])}
+    total = 0
+    for w in weights.values():
+        for name in GGUFWeight.TENSORS:
+            t = getattr(w, name)
+            if id(t) not in moved:
+                moved[id(t)] = on_huge_pages(t)
+                total += t.nbytes if moved[id(t)] is not t else 0
+            setattr(w, name, moved[id(t)])
+    return total
+
+
 def clone_weight(w: GGUFWeight) -> GGUFWeight:
     """A copy of `w` with its own tensors (timing on copies that rotate past the cache)."""
     c = GGUFWeight(w.qtype, w.out_features, w.in_features, {m: getattr(w, m).clone() for m in GGUFWeight.TENSORS},

@@ -106,16 +106,21 @@ def _load_native_gguf(path, dtype, max_positions, progress, kernel_runs=lambda: 
             concurrent.futures.wait([tok_later])
             return None
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
+        qtypes = {getattr(w, "qtype", None) for w in weights.values()}
+        del weights  # the planes' only other reference, so that each old plane is freed as it is copied
+        from mixserve.layers.gguf_linear import weights_on_huge_pages
+
+        weights_on_huge_pages(model)
+        startup.mark("huge pages")
     except BaseException:
         concurrent.futures.wait([tok_later])  # its own error, if any, is not this one
         raise
     parts = [f"{t} x{n} ({b / 1e6:.0f} MB)" for t, (n, b) in sorted(types.items(), key=lambda kv: -kv[1][1])]
-    native = [t for t in types if t != "F32" and any(getattr(w, "qtype", None) == t for w in weights.values())]
+    native = [t for t in types if t != "F32" and t in qtypes]
     model.weight_format = (f"GGUF weights native ({', '.join(parts)}): {', '.join(native) or 'none'} through the "
                            f"integer kernel (layers/gguf_kernels.py, {gguf_kernels.isa()}), the rest "
                            f"dequantized to {dtype}; {source}")
     model.source_file = Path(path)  # what its float linears' packed copies are kept under (packed_weights)
-    del weights
     startup.mark("weights")
     folder, tok = tok_later.result()
     startup.mark("tokenizer")

@@ -219,3 +219,31 @@ def test_paged_kernel_refuses_inputs_that_would_read_outside_the_cache(case):
     assert torch.isfinite(paged_rows(q, torch.randn(6, 16, 2, 64), torch.randn(6, 16, 2, 64),
                                      torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([0, 1]),
                                      torch.tensor([40, 3]), 0.1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [64, 896, 1000])
+def test_rms_norm_rows_do_not_depend_on_the_row_count(dtype, h):
+    """The opaque RMSNorm's C++ op (layers/rmsnorm.py): a row's output is the same alone and among
+    1-64 rows (any H, a partial last 16-lane group included), within one rounding of the aten
+    composite it replaced, and a NaN row leaves the others as they were."""
+    from mixserve.layers.rmsnorm import rms_norm_rows, rows_kernel
+
+    if not rows_kernel():
+        pytest.skip("C++ kernels unavailable")
+    g = torch.Generator().manual_seed(h)
+    x = (torch.randn(64, h, generator=g) * 3).to(dtype)
+    w = (torch.rand(h, generator=g) + 0.5).to(dtype)
+    full = rms_norm_rows(x, w, 1e-6)
+    for rows in (1, 2, 7, 64):
+        assert torch.equal(rms_norm_rows(x[:rows].clone(), w, 1e-6), full[:rows])
+    assert torch.equal(rms_norm_rows(x[5:6].clone(), w, 1e-6), full[5:6])
+    ref = w * F.rms_norm(x.float(), (h,), eps=1e-6).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert torch.allclose(full.float(), ref.float(), rtol=tol, atol=tol)
+    bad = x.clone()
+    bad[3, 0] = float("nan")
+    out = rms_norm_rows(bad, w, 1e-6)
+    assert out[3].isnan().all() and torch.equal(out[torch.arange(64) != 3], full[torch.arange(64) != 3])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        rms_norm_rows(x, w.to(torch.float16 if dtype == torch.float32 else torch.float32), 1e-6)

@@ -418,7 +418,7 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
     lacks is left out of the library."""
     import torch.utils.cpp_extension as ext
 
-    from mixserve.layers import cpp_build, gguf_kernels, invariant_linear, paged_decode
+    from mixserve.layers import cpp_build, gguf_kernels, invariant_linear, paged_decode, rmsnorm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MIXSERVE_NO_CPP_KERNELS", raising=False)
@@ -434,7 +434,7 @@ def test_the_bundled_kernels_build_as_one_library_with_what_this_cpu_can_run(tmp
     monkeypatch.setattr(ext, "load_inline", fake_load_inline)
     monkeypatch.setattr(cpp_build, "_Ops", lambda name, functions: f"ops of {name}")
     monkeypatch.setattr(gguf_kernels, "may_default_native", lambda: True)  # GGUF files load natively here
-    names = [m.kernel().name for m in (gguf_kernels, paged_decode, invariant_linear)]
+    names = [m.kernel().name for m in (gguf_kernels, paged_decode, invariant_linear, rmsnorm)]
     assert paged_decode.build() == f"ops of {names[1]}"
     assert gguf_kernels.build() == f"ops of {names[0]}" and invariant_linear.build() == f"ops of {names[2]}"
     assert len(sources) == 1 and all(f"TORCH_LIBRARY({n}, m)" in sources[0] for n in names)

@@ -24,8 +24,8 @@ FORBIDDEN["layers"] += ("models",)
 FORBIDDEN["kv"] += ("models",)
 FORBIDDEN["quant"] += ("engine",)
 # README "Layout", right column: the packages of ours each one may import ("" is the top-level
-# modules env, device, startup, sampling_params, sequence, open to all; llm is mixserve/llm.py)
-OPEN = {"env", "device", "startup", "sampling_params", "sequence", ""}
+# modules env, device, host_memory, startup, sampling_params, sequence, open to all; llm is mixserve/llm.py)
+OPEN = {"env", "device", "host_memory", "startup", "sampling_params", "sequence", ""}
 ALLOWED = {
     "env": set(), "layers": set(), "kv": set(), "data": {"kv", "structured_output"}, "structured_output": set(),
     "quant": {"layers", "models", "data"},

@@ -1,0 +1,75 @@
+"""host_memory.py: the weights and KV cache on transparent huge pages (issue 43, sixth round)."""
+import re
+
+import pytest
+import torch
+
+from mixserve import host_memory
+
+
+def _huge_kb(ptr: int) -> int | None:
+    """AnonHugePages (kB) of the /proc/self/smaps mapping holding `ptr`, None where unreadable."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) <= ptr < int(m.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return None
+
+
+def test_a_big_zeroed_tensor_is_zero_aligned_and_on_huge_pages_where_the_os_grants_them():
+    t = host_memory.empty_zeroed((3, 1 << 20), torch.bfloat16)  # 6 MB
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.bfloat16 and t.storage_offset() == 0
+    assert int(t.abs().sum()) == 0
+    t.fill_(1.5)  # touch every page
+    if host_memory.thp_mode() in ("always", "madvise"):
+        assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+        kb = _huge_kb(t.data_ptr())
+        if kb is not None:
+            assert kb >= 2048, "no huge page was granted for a madvised, aligned private map"
+    small = host_memory.empty_zeroed((5, 7), torch.float32)
+    assert small.shape == (5, 7) and int(small.abs().sum()) == 0
+
+
+def test_huge_pages_off_by_environment_keeps_the_bytes(monkeypatch):
+    monkeypatch.setenv("MIXSERVE_HUGE_PAGES", "0")
+    x = torch.randn(1 << 20)
+    assert host_memory.on_huge_pages(x) is x  # nothing moved
+    t = host_memory.empty_zeroed((1 << 20,), torch.float32)
+    assert int(t.abs().sum()) == 0
+
+
+def test_moved_tensors_keep_values_and_small_or_strided_ones_stay():
+    x = torch.randn(1 << 20)  # 4 MB
+    y = host_memory.on_huge_pages(x)
+    assert torch.equal(x, y) and (y is x or y.data_ptr() != x.data_ptr())
+    small = torch.randn(100)
+    assert host_memory.on_huge_pages(small) is small
+    strided = torch.randn(2048, 1024).t()
+    assert host_memory.on_huge_pages(strided) is strided
+
+
+def test_gguf_weights_moved_give_the_same_products_and_stay_shared():
+    from mixserve.layers import gguf_linear
+
+    try:
+        w = gguf_linear.random_weight("Q4_K", 4096, 1024)  # lo plane 2 MB
+    except RuntimeError as e:
+        pytest.skip(f"native GGUF kernel unavailable: {e}")
+    lin = gguf_linear.GGUFLinear([w], None, torch.float32)
+    emb = gguf_linear.GGUFEmbedding(w, torch.float32)  # a tied head shares the weight
+    model = torch.nn.ModuleDict({"lin": lin, "emb": emb})
+    x = torch.randn(3, 1024)
+    before = w.matmul(x, 2)
+    old = w.lo
+    moved = gguf_linear.weights_on_huge_pages(model)
+    assert lin.parts[0] is emb.weight_q and torch.equal(old, w.lo)
+    if host_memory.thp_mode() in ("always", "madvise"):
+        assert moved >= w.lo.nbytes and w.lo.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert torch.equal(w.matmul(x, 2), before)
