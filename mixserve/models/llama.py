@@ -19,7 +19,7 @@ from mixserve.layers.kernel_choice import KernelChooser
 from mixserve.layers.linear import DenseLinear, Int4Linear, choose_linear_kernel
 from mixserve.layers.paged_decode import paged_decode_attention
 from mixserve.device import move_module
-from mixserve.layers.rmsnorm import RMSNorm
+from mixserve.layers.rmsnorm import RMSNorm, silu_mul
 from mixserve.layers.rotary import RotaryEmbedding
 from mixserve.models.config import ModelConfig
 from mixserve.quant.loading import QuantSpec, make_linear
@@ -75,9 +75,7 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(a.reshape(T, cfg.q_size))
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        # eager steps compute the opaque op's arithmetic directly (layers/rmsnorm.py RMSNorm.forward)
-        act = torch.ops.mixserve.silu_mul(gate, up) if self.opaque_mlp and torch.compiler.is_compiling() \
-            else F.silu(gate) * up
+        act = silu_mul(gate, up, self.opaque_mlp)  # one op, the same in eager steps and opaque graphs
         return x + self.down_proj(act)
 
 

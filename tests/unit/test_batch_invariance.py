@@ -247,3 +247,27 @@ def test_rms_norm_rows_do_not_depend_on_the_row_count(dtype, h):
     assert out[3].isnan().all() and torch.equal(out[torch.arange(64) != 3], full[torch.arange(64) != 3])
     with pytest.raises(RuntimeError, match="one dtype"):
         rms_norm_rows(x, w.to(torch.float16 if dtype == torch.float32 else torch.float32), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_rows_do_not_depend_on_the_row_count(dtype):
+    """SwiGLU's C++ op (layers/rmsnorm.silu_mul_rows): a row alone equals it among 64, on the strided
+    halves of one gate_up output; close to F.silu(gate) * up; NaN stays in its element."""
+    from mixserve.layers.rmsnorm import rows_kernel, silu_mul
+
+    if not rows_kernel():
+        pytest.skip("C++ kernels unavailable")
+    gu = (torch.randn(64, 2 * 1000, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    g, u = gu.chunk(2, dim=-1)
+    full = torch.ops.mixserve.silu_mul_rows(g, u)
+    assert full.is_contiguous() and full.shape == (64, 1000)
+    for rows in (1, 2, 7):
+        a, b = gu[:rows].chunk(2, dim=-1)
+        assert torch.equal(torch.ops.mixserve.silu_mul_rows(a, b), full[:rows])
+    assert torch.equal(silu_mul(g, u, opaque=False), full)  # eager steps take the op
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert torch.allclose(full.float(), (F.silu(g) * u).float(), rtol=tol, atol=tol)
+    g2 = g.clone()
+    g2[5, 7] = float("nan")
+    out = torch.ops.mixserve.silu_mul_rows(g2, u)
+    assert out[5, 7].isnan() and out.isnan().sum() == 1
