@@ -158,9 +158,15 @@ class ModelRunner:
             return self.graph_choice
         c = self.cfg
         q = getattr(self.model, "quant", None)
+        from mixserve.layers.gguf_linear import KERNEL_KEY, GGUFLinear
+
+        # the weights' kernels decide what a step costs beside its ops: a native GGUF model is timed
+        # apart from a dense one of the same shape (it was not before issue 43's sixth round, whose
+        # C++ norm and SwiGLU also changed the graph: "g2")
+        native = any(isinstance(m, GGUFLinear) for m in self.model.modules())
+        weights = f"int4g{q.group_size}" if q is not None else f"gguf-{KERNEL_KEY}" if native else "dense"
         key = (f"decode_graph/{str(self.model.dtype).removeprefix('torch.')}/{c.num_layers}x{c.hidden_size}x"
-               f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/"
-               f"{'dense' if q is None else f'int4g{q.group_size}'}")
+               f"{c.num_heads}x{c.num_kv_heads}x{c.intermediate_size}x{c.vocab_size}/{weights}/g2")
         made: list = []
 
         def make_graph():

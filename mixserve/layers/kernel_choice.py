@@ -15,7 +15,7 @@ candidates on the model's own shapes, made once per CPU model and torch version 
 - `int4_dense_rows/<dtype>/<out>x<in>[/vnni]/deq<rev>`: the row count from which dequantize + dense
   GEMM beats the chosen few-row int4 kernel ("never": that kernel at every row count); the key names
   the dequantization kernel's revision, so timings of an older one are not reused;
-- `decode_graph/<dtype>/<model shape>/<weights>`: "eager" steps or the "compiled" decode graph
+- `decode_graph/<dtype>/<model shape>/<weights: dense, int4g<group>, gguf-<kernel>>/g2`: "eager" steps or the "compiled" decode graph
   (engine/decode_graph.py), timed as whole decode steps of the model at 1 and 8 rows.
 
 Weights are timed on rotating copies whose total exceeds the last-level cache (`llc_bytes`), as a
