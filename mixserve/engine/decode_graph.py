@@ -352,13 +352,17 @@ class GraphTrial:
         return self.chooser.record(self.key, timings, "eager", "measured on live steps"), timings
 
 
+ROUNDS = 3  # decode_graph_candidates: eager and compiled steps in turn, this many times
+
+
 def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), context: int = 128,
-                            steps: int = 6, max_model_len: int | None = None) -> dict:
+                            steps: int = 4, max_model_len: int | None = None) -> dict:
     """Timers for kernel_choice's `decode_graph` choice: median seconds of a decode step of this
-    runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled").
-    make_graph() -> the DecodeGraph (made on the compiled timer's first call: a choice taken from
+    runner's model at each of `rows` (geometric mean), eager ("eager") and captured ("compiled"),
+    measured together on the first timer's call: the graph compiled first, then ROUNDS rounds of
+    both arms in turn. make_graph() -> the DecodeGraph (made on that call: a choice taken from
     the cache or an override times nothing and makes no graph here); max_rows: its row limit.
-    The compiled timer's first calls, which compile, are not timed. Uses the cache's first blocks
+    The compile is not timed. Uses the cache's first blocks
     and zeroes them afterwards (the engine has not admitted a request yet). max_model_len: the
     engine's context limit; the timed context is shortened to fit it (the RoPE tables end there)."""
     from mixserve.layers.kernel_choice import geomean
@@ -375,9 +379,29 @@ def decode_graph_candidates(runner, make_graph, max_rows: int, rows=(1, 8), cont
         rows = [1]
         context = max(1, min(min(per_row, runner.num_blocks) * bs, limit) - steps - 3)
 
-    def timer(compiled: bool):
-        # the first two steps (the compile, oneDNN's first calls) are not timed
-        return lambda: geomean(statistics.median(dummy_decode_steps(
-            runner, r, context, steps + 2, make_graph().run if compiled else runner.run_eager)[2:]) for r in rows)
+    done: dict[str, float] = {}
 
-    return {"eager": timer(False), "compiled": timer(True)}
+    def measure() -> None:
+        # Both arms in turn, after the compile: timed one after the other, the compiled arm ran
+        # right behind a minute of tracing (Inductor's compile workers starting, the allocator's
+        # state) and lost to eager on the 0.5B where it is 10-20% faster at 1 and 8 rows (by hand,
+        # 2026-12-06). Each round times eager then compiled steps at every row count; medians
+        # over the rounds' steps. The first two steps of each run (oneDNN's first calls) are not timed.
+        graph = make_graph()
+        dummy_decode_steps(runner, rows[0], context, 2, graph.run)  # the compile, or the cache's load
+        per: dict[str, dict[int, list[float]]] = {"eager": {r: [] for r in rows}, "compiled": {r: [] for r in rows}}
+        for _ in range(ROUNDS):
+            for r in rows:
+                for name, run in (("eager", runner.run_eager), ("compiled", graph.run)):
+                    per[name][r] += dummy_decode_steps(runner, r, context, steps + 2, run)[2:]
+        for name, by_rows in per.items():
+            done[name] = geomean(statistics.median(v) for v in by_rows.values())
+
+    def timer(name: str):
+        def run():
+            if not done:
+                measure()
+            return done[name]
+        return run
+
+    return {"eager": timer("eager"), "compiled": timer("compiled")}
