@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch
 HUGE_PAGE = 2 << 20  # x86-64's PMD size
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _mode: str | None = None
+_placed: dict[int, int] = {}  # start -> end of each huge-page map alive (empty_zeroed)
 
 
 def thp_mode() -> str:
@@ -69,15 +71,33 @@ def empty_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         m.madvise(mmap.MADV_HUGEPAGE, offset, n)
     except OSError:  # a kernel without THP for anonymous maps: 4 KB pages
         pass
+    start = base + offset
+    _placed[start] = start + n
+    weakref.finalize(m, _placed.pop, start, None)  # the map's range is forgotten with it
     # frombuffer's offset moves the storage's start, not the tensor's storage_offset
     return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=offset).view(dtype).view(shape)
 
 
+def placed(t: torch.Tensor) -> bool:
+    """Whether `t`'s data lies in a huge-page map of empty_zeroed's that is still alive."""
+    p = t.data_ptr()
+    return any(a <= p < b for a, b in _placed.items())
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """`t` (CPU, contiguous) copied onto huge pages where it is at least HUGE_PAGE bytes and the OS
-    grants them (empty_zeroed), else `t` itself. The copy has t's shape, dtype and values."""
-    if t.device.type != "cpu" or not t.is_contiguous() or not _huge(t.numel() * t.element_size()):
+    """`t` (CPU, contiguous) copied onto huge pages where it is at least HUGE_PAGE bytes, the OS
+    grants them (empty_zeroed) and it is not on them already (`placed`), else `t` itself. The copy
+    has t's shape, dtype and values."""
+    if t.device.type != "cpu" or not t.is_contiguous() or not _huge(t.numel() * t.element_size()) or placed(t):
         return t
     out = empty_zeroed(tuple(t.shape), t.dtype)
     out.copy_(t)
     return out
+
+
+def own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory of its own: on huge pages where `on_huge_pages` moves it, else a plain
+    clone. For tensors read from a memory-mapped file (a safetensors store): once every tensor of the
+    file is copied, the map goes, where a view kept would keep the whole file's pages resident."""
+    c = on_huge_pages(t.contiguous())
+    return c if c is not t else t.clone()

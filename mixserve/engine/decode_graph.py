@@ -84,6 +84,45 @@ def _own_function(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+class _StanceGate:
+    """Keeps guard-skipping calls and guarded ones (which may trace and compile) of this process's
+    decode graphs apart: Dynamo's stance is process-wide, so another thread's compile under a
+    skipping call's stance fails ("Recompilation triggered"), and its guarded call could take a
+    stale entry. A guarded call waits for the skipping calls under way (a step each); a call that
+    could skip runs guarded instead while a guarded one is under way (a background compile)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._unguarded = 0
+        self._guarded = 0
+
+    def enter_unguarded(self) -> bool:
+        with self._cv:
+            if self._guarded:
+                return False
+            self._unguarded += 1
+            return True
+
+    def exit_unguarded(self) -> None:
+        with self._cv:
+            self._unguarded -= 1
+            self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def guarded(self):
+        with self._cv:
+            self._guarded += 1
+            self._cv.wait_for(lambda: self._unguarded == 0)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._guarded -= 1
+
+
+_GATE = _StanceGate()
+
+
 class DecodeGraph:
     """A compiled `model.decode` with persistent input buffers.
 
@@ -153,7 +192,7 @@ class DecodeGraph:
         state = self._state()
         if state != self._traced:
             self._traced, self._guarded_rows = state, set()
-        if t0 is None and n in self._guarded_rows:
+        if t0 is None and n in self._guarded_rows and _GATE.enter_unguarded():
             # Dynamo's ~2,700 guards (module attributes, dict keys, input tensors) cost ~0.4-0.6 ms
             # of a 0.5B's 12-13 ms step. The model is fixed once the kernels are chosen, and the only
             # size that changes between steps is the row count (the table width, the caches' and
@@ -170,7 +209,10 @@ class DecodeGraph:
                 if "Recompilation triggered" not in str(e):
                     raise
                 self._guarded_rows.clear()
-        with torch.inference_mode(), self._first_call(args) if t0 is not None else contextlib.nullcontext():
+            finally:
+                _GATE.exit_unguarded()
+        with _GATE.guarded(), torch.inference_mode(), \
+                self._first_call(args) if t0 is not None else contextlib.nullcontext():
             out = self.fn(self.model, *args)
         self._guarded_rows.add(n)  # passed Dynamo's guards (or compiled again where they failed)
         if t0 is not None:

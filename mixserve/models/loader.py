@@ -107,9 +107,11 @@ def _load_native_gguf(path, dtype, max_positions, progress, kernel_runs=lambda: 
             return None
         model = LlamaForCausalLM(cfg, weights, dtype, max_positions or cfg.max_position_embeddings, None)
         qtypes = {getattr(w, "qtype", None) for w in weights.values()}
-        del weights  # the planes' only other reference, so that each old plane is freed as it is copied
+        del weights, kept  # the planes' only other references, so that each old plane is freed as it is copied
         from mixserve.layers.gguf_linear import weights_on_huge_pages
 
+        # a kept layout was read onto huge pages (native_store.load); a repacked one, and planes
+        # the model made at construction (fused q/k/v and gate/up), are moved now
         weights_on_huge_pages(model)
         startup.mark("huge pages")
     except BaseException:

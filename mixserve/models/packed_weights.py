@@ -80,10 +80,12 @@ def load(path: Path | None) -> dict[str, torch.Tensor]:
     return read_store(path)[0]
 
 
-def read_store(path: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_store(path: Path | None, place=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a complete store at `path` (save_tensors_in_background), keeping
     only the tensors whose checksum holds; ({}, {}) where there is none, or it is cut short or
-    unreadable (logged: the caller builds the tensors again and rewrites the store)."""
+    unreadable (logged: the caller builds the tensors again and rewrites the store). The tensors
+    are views of the file's memory map unless `place` (tensor -> its copy) copies each, after its
+    checksum: then the map is released on return (host_memory.own_copy)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -102,6 +104,10 @@ def read_store(path: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, st
     if len(good) < len(tensors):
         log.warning("stored weights in %s: %d of %d tensors fail their checksum; building them again", path,
                     len(tensors) - len(good), len(tensors))
+    if place is not None:
+        del tensors  # the views' last other reference: each is freed as it is copied
+        for n in list(good):
+            good[n] = place(good[n])
     return good, meta
 
 

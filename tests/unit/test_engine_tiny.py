@@ -616,3 +616,62 @@ def test_graph_warmup_off_makes_no_graph_and_times_nothing(tiny, monkeypatch, tm
         assert not any(k.startswith("decode_graph") for k in llm.engine.kernels.choices)
         sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         assert llm.generate([prompts(1)[0]], sp)[0].token_ids == ref.generate([prompts(1)[0]], sp)[0].token_ids
+
+
+def test_a_graph_compiles_while_another_engine_steps_past_its_guards(tmp_path):
+    """Dynamo's stance is process-wide: an engine whose steps skip their guards (DecodeGraph.run) on
+    one thread must not make another engine's graph compile fail on another (decode_graph._GATE)."""
+    import threading
+
+    fa, _ = make_tiny(tmp_path / "a", "qwen2", tie=False)
+    fb, _ = make_tiny(tmp_path / "b", "llama", tie=True)
+    a = LLM(fa, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
+    assert a.engine.runner.graph is not None
+    a.generate(prompts(1), GREEDY)  # one row now runs past the guards
+    stop, errors = threading.Event(), []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                a.generate(prompts(1), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        b = LLM(fb, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and a.engine.runner.graph.unguarded_steps > 0
+    assert b.engine.runner.graph is not None, b.engine.runner.graph_choice
+
+
+def test_the_stance_gate_keeps_guarded_calls_and_skipping_ones_apart():
+    """decode_graph._StanceGate: a guarded call (which may trace and compile) waits for skipping
+    calls under way, and no call skips its guards while a guarded one runs."""
+    import threading
+    import time
+
+    from mixserve.engine.decode_graph import _StanceGate
+
+    gate = _StanceGate()
+    assert gate.enter_unguarded()
+    entered = threading.Event()
+
+    def guarded():
+        with gate.guarded():
+            entered.set()
+            time.sleep(0.2)
+
+    t = threading.Thread(target=guarded)
+    t.start()
+    assert not entered.wait(0.2), "a guarded call ran while a skipping call was under way"
+    assert not gate.enter_unguarded()  # one is waiting: no new skipping call starts
+    gate.exit_unguarded()
+    assert entered.wait(5)
+    assert not gate.enter_unguarded()  # while it runs
+    t.join()
+    assert gate.enter_unguarded()
+    gate.exit_unguarded()

@@ -60,6 +60,12 @@ def test_a_later_start_reads_the_kept_layout_and_gives_the_same_bits(gguf_file, 
     assert native_store.load(native_store.store_path(gguf_file), gguf_file) is not None
     assert native_store.store_path(gguf_file).parent == store.parent  # the test's own folder
     assert not store.exists()  # the stale store removed once the new one was written
+    # every tensor read is a copy of its own, none a view of the file's memory map (a view would
+    # keep the whole file resident beside the copies)
+    _, read, _ = native_store.load(native_store.store_path(gguf_file), gguf_file)
+    for w in read.values():
+        for t in ([getattr(w, n) for n in w.TENSORS] if hasattr(w, "TENSORS") else [w]):
+            assert t.untyped_storage().nbytes() == t.nbytes, "a view of the store's map"
 
 
 def test_a_cut_corrupt_or_foreign_store_is_repacked_and_rewritten(gguf_file, tmp_path, monkeypatch):
