@@ -13,6 +13,11 @@ Where AVX2 + FMA build and the head size is a multiple of 8, the loop is explici
 FMA chains, one polynomial exp): a row's bits then depend on its own context alone, which the
 batch-invariant mode needs (`paged_rows`), and a 512-token prefill's attention took 16 ms a 0.5B
 layer against the scalar loop's 57 (BENCHMARKS.md). Elsewhere the portable scalar loop runs.
+Consecutive rows reading one table row (a prefill chunk's) form groups of up to 16 whose K and V are
+widened once; with AVX-512 such a group computes its scores 16 positions at a time from K transposed,
+and the V sums take up to four heads a pass in 512-bit registers, each score and output element
+with the very operations of the one-row loop (so the same bits: a 1536-row chunk of the 0.5B, one
+layer, 59-64 -> 38-39 ms; issue 43, sixth round).
 
 It is one candidate of the decode-attention choice (`attention.decode_candidates`), used where it
 is measured faster on the machine at hand.
@@ -72,39 +77,118 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+// Consecutive rows that read one table row (a prefill chunk's rows of one sequence) form a group of
+// at most GROUP rows; a task is (group, KV head): the group's K and V rows are widened once for all
+// its rows, not once a row. Each row's arithmetic is the same in a group as alone.
+constexpr int64_t GROUP = 16;
+
+#ifdef __AVX512F__
+// Scores of one row and query head for 16 positions at once, from K transposed (kt[i * ld + p] = K[p][i]):
+// lane p's score is the arithmetic of the 8-lane loop below, bit for bit: 8 partial sums, the one for
+// head element 8i + l an FMA chain over i (a product first), then hsum8's tree,
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), then the scale.
+static inline void scores16(const float* qj, const float* kt, int64_t ld, int64_t D8, int64_t p, float scale,
+                            float* out) {
+  __m512 a[8];
+  for (int l = 0; l < 8; ++l) a[l] = _mm512_mul_ps(_mm512_set1_ps(qj[l]), _mm512_loadu_ps(kt + l * ld + p));
+  for (int64_t i = 1; i < D8; ++i)
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l)
+      a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qj[8 * i + l]), _mm512_loadu_ps(kt + (8 * i + l) * ld + p), a[l]);
+  const __m512 t = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+  const __m512 u = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+  _mm512_storeu_ps(out + p, _mm512_mul_ps(_mm512_add_ps(t, u), _mm512_set1_ps(scale)));
+}
+// V sums of h <= 16 / NZ query heads (NZ 16-float registers a head) over positions 0..L-1 in order:
+// out[j][e] = sum_p s[j * ld + p] * V[p][e], one FMA chain a element; V rows widened (vf) or the
+// cache's own float rows (vf null: T is float)
+template <int NZ, typename T>
+static inline void vsum512(const float* s, int64_t ld, int64_t h, int64_t L, const float* vf, const T* vc,
+                           const int64_t* slot, int64_t d, T* out) {
+  constexpr int MH = NZ >= 4 ? 16 / NZ : 4;
+  __m512 acc[MH][NZ];
+  for (int j = 0; j < MH; ++j)
+    for (int i = 0; i < NZ; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < L; ++p) {
+    const float* vr = vf ? vf + p * d : reinterpret_cast<const float*>(vc + slot[p] * d);
+    __m512 v[NZ];
+    for (int i = 0; i < NZ; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
+    for (int j = 0; j < MH; ++j) {
+      if (j >= h) break;
+      const __m512 w = _mm512_set1_ps(s[j * ld + p]);
+      for (int i = 0; i < NZ; ++i) acc[j][i] = _mm512_fmadd_ps(w, v[i], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < h; ++j) {
+    alignas(64) float tmp[16 * NZ];
+    for (int i = 0; i < NZ; ++i) _mm512_store_ps(tmp + 16 * i, acc[j][i]);
+    for (int e = 0; e < 16 * NZ; ++e) out[j * d + e] = static_cast<T>(tmp[e]);
+  }
+}
+#endif
+
 template <typename T>
 static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* row_table,
                      const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t d, int64_t bs,
                      int64_t M, float scale) {
   const int64_t g = H / Hkv, D8 = d / 8;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s, qf, kf, vf;
+  std::vector<int64_t> group{0};  // group starts, then B
+  for (int64_t b = 1; b <= B; ++b)
+    if (b == B || !row_table || row_table[b] != row_table[group.back()] || b - group.back() == GROUP) group.push_back(b);
+  const int64_t NG = (int64_t)group.size() - 1;
+  at::parallel_for(0, NG * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s, qf, kf, vf, kt;
     std::vector<int64_t> slot;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = balanced(t / Hkv, B), kh = t % Hkv, L = lens[b], L8 = (L + 7) / 8 * 8;
-      const int64_t* tab = tables + (row_table ? row_table[b] : b) * M;
-      slot.resize(L);
-      for (int64_t p0 = 0; p0 < L; p0 += bs) {
+      const int64_t gi = balanced(t / Hkv, NG), kh = t % Hkv, b0 = group[gi], b1 = group[gi + 1];
+      int64_t LM = 0;
+      for (int64_t b = b0; b < b1; ++b) LM = std::max(LM, lens[b]);
+      const int64_t* tab = tables + (row_table ? row_table[b0] : b0) * M;
+      slot.resize(LM);
+      for (int64_t p0 = 0; p0 < LM; p0 += bs) {
         const int64_t base = tab[p0 / bs] * bs;
-        for (int64_t o = 0; o < bs && p0 + o < L; ++o) slot[p0 + o] = (base + o) * Hkv + kh;
+        for (int64_t o = 0; o < bs && p0 + o < LM; ++o) slot[p0 + o] = (base + o) * Hkv + kh;
       }
-      s.assign(g * L8, 0.f);
-      qf.resize(g * d);
-      for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[(b * H + kh * g) * d + i]);
-      // bf16 K and V rows widened to float32 once for the g query heads (exact: the same values
-      // the loops below read, so the same bits), not once per head
       constexpr bool widen = !std::is_same<T, float>::value;
+#ifdef __AVX512F__
+      // K transposed for the 16-position scores where the group has rows enough to pay for it
+      const bool trans = b1 - b0 >= 2;
+#else
+      constexpr bool trans = false;
+#endif
+      const int64_t LT = (LM + 15) / 16 * 16;
+      if (trans) {
+        kt.assign(d * LT, 0.f);
+        for (int64_t p = 0; p < LM; ++p) {
+          const T* kr = kc + slot[p] * d;
+          for (int64_t i = 0; i < d; ++i) kt[i * LT + p] = static_cast<float>(kr[i]);
+        }
+      }
+      // bf16 K and V rows widened to float32 once for the group's rows and query heads (exact: the
+      // same values the loops below read, so the same bits)
       if (widen) {
-        kf.resize(L * d); vf.resize(L * d);
-        for (int64_t p = 0; p < L; ++p)
+        if (!trans) kf.resize(LM * d);
+        vf.resize(LM * d);
+        for (int64_t p = 0; p < LM; ++p)
           for (int64_t i = 0; i < D8; ++i) {
-            _mm256_storeu_ps(kf.data() + p * d + 8 * i, ld8(kc + slot[p] * d + 8 * i));
+            if (!trans) _mm256_storeu_ps(kf.data() + p * d + 8 * i, ld8(kc + slot[p] * d + 8 * i));
             _mm256_storeu_ps(vf.data() + p * d + 8 * i, ld8(vc + slot[p] * d + 8 * i));
           }
       }
+      for (int64_t b = b0; b < b1; ++b) {
+      const int64_t L = lens[b], L8 = (L + 7) / 8 * 8, LS = (L + 15) / 16 * 16;
+      s.assign(g * LS, 0.f);
+      qf.resize(g * d);
+      for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[(b * H + kh * g) * d + i]);
+#ifdef __AVX512F__
+      if (trans) {  // a 16-position block of K^T (d x 16 floats) stays in L1 for the g query heads
+        for (int64_t p = 0; p < L; p += 16)
+          for (int64_t j = 0; j < g; ++j) scores16(qf.data() + j * d, kt.data(), LT, D8, p, scale, s.data() + j * LS);
+      }
+#endif
       // a query head's vector stays in registers over the positions (per score: its K row's loads and
       // one FMA chain, in the same order as ever)
-      for (int64_t j = 0; j < g; ++j) {
+      for (int64_t j = 0; j < g && !trans; ++j) {
         const float* qj = qf.data() + j * d;
         if (D8 == 8) {
           __m256 qv[8];
@@ -114,7 +198,7 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
             __m256 acc = _mm256_mul_ps(qv[0], ld8(kr));
 #pragma GCC unroll 7
             for (int i = 1; i < 8; ++i) acc = _mm256_fmadd_ps(qv[i], ld8(kr + 8 * i), acc);
-            s[j * L8 + p] = hsum8(acc) * scale;
+            s[j * LS + p] = hsum8(acc) * scale;
           }
           continue;
         }
@@ -122,11 +206,11 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
           const float* kr = widen ? kf.data() + p * d : reinterpret_cast<const float*>(kc + slot[p] * d);
           __m256 acc = _mm256_mul_ps(ld8(qj), ld8(kr));
           for (int64_t i = 1; i < D8; ++i) acc = _mm256_fmadd_ps(ld8(qj + 8 * i), ld8(kr + 8 * i), acc);
-          s[j * L8 + p] = hsum8(acc) * scale;
+          s[j * LS + p] = hsum8(acc) * scale;
         }
       }
       for (int64_t j = 0; j < g; ++j) {
-        float* sj = s.data() + j * L8;
+        float* sj = s.data() + j * LS;
         float m = -INFINITY;
         for (int64_t p = 0; p < L; ++p) m = std::max(m, sj[p]);
         const __m256 mv = _mm256_set1_ps(m);
@@ -142,37 +226,30 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
         for (int64_t p = 0; p < L8; p += 8) _mm256_storeu_ps(sj + p, _mm256_mul_ps(_mm256_loadu_ps(sj + p), inv));
       }
 #ifdef __AVX512F__
-      // d = 64 with AVX-512: four query heads' V sums at once (16 accumulators), each V row read once
-      // for them; every output element is still one FMA chain over the positions in order, so the
-      // same bits as the 8-lane loop below
+      // With AVX-512 and d a multiple of 16: the V sums of up to 16 / (d / 16) query heads a pass
+      // (16 accumulators), each V row read once for them; every output element is still one FMA
+      // chain over the positions in order, so the same bits as the 8-lane loop below
       int64_t j0 = 0;
-      if (d == 64) {
-        for (; j0 + 4 <= g; j0 += 4) {
-          __m512 acc[4][4];
-          for (int h = 0; h < 4; ++h)
-            for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
-          for (int64_t p = 0; p < L; ++p) {
-            const float* vr = widen ? vf.data() + p * d : reinterpret_cast<const float*>(vc + slot[p] * d);
-            __m512 v[4];
-            for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
-            for (int h = 0; h < 4; ++h) {
-              const __m512 w = _mm512_set1_ps(s[(j0 + h) * L8 + p]);
-              for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_fmadd_ps(w, v[i], acc[h][i]);
-            }
+      if (d % 16 == 0 && d <= 256) {
+        const float* vbase = widen ? vf.data() : nullptr;
+        for (; j0 < g;) {
+          const int64_t h = std::min<int64_t>(g - j0, std::max<int64_t>(1, std::min<int64_t>(4, 16 / (d / 16))));
+          switch (d / 16) {
+            case 1: vsum512<1>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
+            case 2: vsum512<2>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
+            case 4: vsum512<4>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
+            case 8: vsum512<8>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
+            default: goto rest;
           }
-          for (int h = 0; h < 4; ++h) {
-            T* o = out + (b * H + kh * g + j0 + h) * d;
-            alignas(64) float tmp[64];
-            for (int i = 0; i < 4; ++i) _mm512_store_ps(tmp + 16 * i, acc[h][i]);
-            for (int e = 0; e < 64; ++e) o[e] = static_cast<T>(tmp[e]);
-          }
+          j0 += h;
         }
       }
+    rest:
 #else
       const int64_t j0 = 0;
 #endif
       for (int64_t j = j0; j < g; ++j) {
-        const float* sj = s.data() + j * L8;
+        const float* sj = s.data() + j * LS;
         T* o = out + (b * H + kh * g + j) * d;
         for (int64_t i0 = 0; i0 < D8; i0 += 8) {  // 8 registers of the output at a time
           const int64_t n8 = std::min<int64_t>(8, D8 - i0);
@@ -194,6 +271,7 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
             for (int l = 0; l < 8; ++l) o[8 * (i0 + i) + l] = static_cast<T>(tmp[l]);
           }
         }
+      }
       }
     }
   });
@@ -350,7 +428,7 @@ _fake_registered = False
 
 def kernel() -> Kernel:
     """This kernel as cpp_build builds it (one of cpp_build.BUNDLED)."""
-    return Kernel("mixserve_paged_decode_v7", _SRC, ("paged_decode", "paged_rows"))
+    return Kernel("mixserve_paged_decode_v8", _SRC, ("paged_decode", "paged_rows"))
 
 
 def build():

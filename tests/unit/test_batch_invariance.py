@@ -97,6 +97,30 @@ def test_paged_rows_prefill_rows_equal_decode_rows():
     assert torch.equal(mixed[:20], whole[20:40])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,kvh,d", [(14, 2, 64), (12, 2, 128), (6, 3, 16), (4, 2, 40)])
+def test_paged_rows_in_groups_equal_rows_alone(dtype, h, kvh, d):
+    """A prefill chunk's rows are taken 16 at a time (K and V widened once a group; with AVX-512 the
+    scores 16 positions at a time from K transposed, the V sums several heads a pass): every row
+    equals itself alone and the decode row at its position, bit for bit, across group edges, with
+    two sequences' chunks in one call."""
+    torch.manual_seed(d + h)
+    bs, nb, L = 16, 20, 41
+    kc, vc = torch.randn(nb, bs, kvh, d).to(dtype), torch.randn(nb, bs, kvh, d).to(dtype)
+    table = torch.tensor([[7, 3, 9, 1, 5, 11, 13]])
+    q = torch.randn(L, h, d).to(dtype)
+    lens = torch.arange(60, 60 + L)
+    whole = paged_rows(q, kc, vc, table, torch.zeros(L, dtype=torch.long), lens, 0.125)
+    for t in (0, 15, 16, 17, 31, 32, 40):
+        assert torch.equal(paged_decode(q[t:t + 1], kc, vc, table, lens[t:t + 1], 0.125), whole[t:t + 1])
+    two = torch.cat([table, torch.tensor([[2, 4, 6, 8, 10, 12, 14]])])
+    mixed = paged_rows(torch.cat([q[3:23], q[:9]]), kc, vc, two, torch.tensor([0] * 20 + [1] * 9),
+                       torch.cat([lens[3:23], lens[:9]]), 0.125)
+    assert torch.equal(mixed[:20], whole[3:23])
+    alone = paged_rows(q[:9], kc, vc, two[1:], torch.zeros(9, dtype=torch.long), lens[:9], 0.125)
+    assert torch.equal(mixed[20:], alone)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("bi"), "llama", tie=True)[0]
