@@ -2,8 +2,9 @@
 
 A decode step reads every weight once, from memory: on 4 KB pages that is a TLB miss every 4 KB of
 each stream, and the native GGUF kernel reads up to six planes at once (layers/gguf_src.py). On 2 MB
-pages the 1.5B's Q4_K gate+up, one row, taken layer after layer, streamed at 42.7 GB/s against 34.3
-(a 2-core Zen 5 EPYC, 2026-12-06; BENCHMARKS.md "Issue 43, sixth round"). Linux gives an anonymous
+pages the 1.5B's Q4_K gate+up tensors, one row, taken in turn, streamed at 58 GB/s against 34, and a
+step's linears took 25 ms against 27-28 (a 2-core Zen 5 EPYC, 2026-12-06; BENCHMARKS.md "Issue 43,
+sixth round"). The KV cache's maps are private too (Python's default anonymous map is shared memory). Linux gives an anonymous
 map huge pages where `/sys/kernel/mm/transparent_hugepage/enabled` is "always", or "madvise" (the
 usual default) and the map asks with madvise(MADV_HUGEPAGE) before its pages are touched: here
 every such tensor is its own anonymous map, 2 MB-aligned, asked. "never", another OS, a map that
