@@ -33,7 +33,6 @@ kind, one set of kernel choices and one mixserve version.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from mixserve.layers import invariant_linear
@@ -61,7 +60,7 @@ def apply(model: nn.Module, packed: dict | None = None) -> int:
     (models/packed_weights.py), each taken where it matches (DenseLinear.set_impl). Returns how
     many dense linears were packed anew. Raises RuntimeError where `unavailable()` says why not."""
     from mixserve.layers.linear import DenseLinear
-    from mixserve.layers.rmsnorm import RMSNorm, rows_kernel
+    from mixserve.layers.rmsnorm import RMSNorm
 
     why = unavailable()
     if why:
@@ -74,7 +73,6 @@ def apply(model: nn.Module, packed: dict | None = None) -> int:
             apply_linear(m)
         if isinstance(m, RMSNorm):
             m.opaque = True
-            m.rows_op = m.weight.dtype in (torch.float32, torch.bfloat16) and rows_kernel()
     for layer in getattr(model, "layers", []):
         layer.decode_attention = "paged"
         layer.opaque_mlp = True
@@ -90,7 +88,7 @@ def clear(model: nn.Module) -> None:
 
     for m in model.modules():
         if isinstance(m, RMSNorm):
-            m.opaque = m.rows_op = False
+            m.opaque = False
         elif isinstance(m, Int4Linear):
             m.invariant = False
     for layer in getattr(model, "layers", []):

@@ -230,21 +230,20 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       // (16 accumulators), each V row read once for them; every output element is still one FMA
       // chain over the positions in order, so the same bits as the 8-lane loop below
       int64_t j0 = 0;
-      if (d % 16 == 0 && d <= 256) {
+      const int64_t nz = d / 16;  // 512-bit registers a head
+      if (d % 16 == 0 && (nz == 1 || nz == 2 || nz == 4 || nz == 8)) {
         const float* vbase = widen ? vf.data() : nullptr;
-        for (; j0 < g;) {
-          const int64_t h = std::min<int64_t>(g - j0, std::max<int64_t>(1, std::min<int64_t>(4, 16 / (d / 16))));
-          switch (d / 16) {
-            case 1: vsum512<1>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
-            case 2: vsum512<2>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
-            case 4: vsum512<4>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
-            case 8: vsum512<8>(s.data() + j0 * LS, LS, h, L, vbase, vc, slot.data(), d, out + (b * H + kh * g + j0) * d); break;
-            default: goto rest;
-          }
+        while (j0 < g) {
+          const int64_t h = std::min<int64_t>(g - j0, nz >= 4 ? 16 / nz : 4);
+          const float* sj = s.data() + j0 * LS;
+          T* o = out + (b * H + kh * g + j0) * d;
+          if (nz == 1) vsum512<1>(sj, LS, h, L, vbase, vc, slot.data(), d, o);
+          else if (nz == 2) vsum512<2>(sj, LS, h, L, vbase, vc, slot.data(), d, o);
+          else if (nz == 4) vsum512<4>(sj, LS, h, L, vbase, vc, slot.data(), d, o);
+          else vsum512<8>(sj, LS, h, L, vbase, vc, slot.data(), d, o);
           j0 += h;
         }
       }
-    rest:
 #else
       const int64_t j0 = 0;
 #endif

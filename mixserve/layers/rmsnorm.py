@@ -226,19 +226,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.opaque = False  # batch-invariant mode: the same op in eager steps and compiled graphs
-        self.rows_op = False  # with opaque (batch_invariance.apply): that op is the C++ rms_norm_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_call = x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.bfloat16) \
+            and x.device.type == "cpu" and rows_kernel()
         if torch.compiler.is_compiling():
             if self.opaque:
-                if self.rows_op and x.dtype == self.weight.dtype:
-                    # no .contiguous() here: whether a view is contiguous can depend on a row count
-                    # of 1, a guard that specialises the graph (the op checks; x is an add's output)
-                    return torch.ops.mixserve.rms_norm_rows(x, self.weight, self.eps)
-                return torch.ops.mixserve.rms_norm(x, self.weight, self.eps)
+                # no .contiguous() here: whether a view is contiguous can depend on a row count of 1,
+                # a guard that specialises the graph (the op checks; x is an add's output)
+                return torch.ops.mixserve.rms_norm_rows(x, self.weight, self.eps) if one_call \
+                    else torch.ops.mixserve.rms_norm(x, self.weight, self.eps)
             # Inductor fuses the composite below into one loop of its own
-        elif x.dtype == self.weight.dtype and x.device.type == "cpu" and (
-                self.rows_op or (x.dtype in (torch.float32, torch.bfloat16) and rows_kernel())):
+        elif one_call:
             # eager steps in either mode: one C++ call, where the composite's bf16 ops took ~2 ms
             # for a 512 x 1536 chunk (float32: 0.13 ms)
             return torch.ops.mixserve.rms_norm_rows(x.contiguous(), self.weight, self.eps)

@@ -107,12 +107,12 @@ def test_a_second_turn_sends_the_result_back_and_is_answered(client):
     r = create(cl, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     call = r.choices[0].message.tool_calls[0]
     msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]
+                  {"role": "tool", "tool_call_id": call.id, "content": "Paris: 21 C, sunny"}]
+    # a result the 0.5B's greedy answer is not on a knife edge for: every token's top two logits at
+    # least 0.29 apart (a JSON result put its end on a 0.023 gap, which the one-call RMSNorm's float32
+    # sum order flipped into a loop to max_tokens; issue 43, sixth round)
     r = create(cl, tools=TOOLS, messages=msgs, tool_choice="none")
-    # The 0.5B answers this turn with tool-call-like text whose end sits on a 0.023 logit gap (26th
-    # token, "add" vs "get"): issue 43's one-call RMSNorm (its own float32 sum order) flipped it into a
-    # loop that runs to max_tokens. What is checked is that the turn is answered, with content.
-    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
     assert r.usage.prompt_tokens > create(cl, tools=TOOLS, tool_choice="none", max_tokens=1).usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as e:
         create(cl, tools=[{"type": "function", "function": {"description": "no name"}}])
