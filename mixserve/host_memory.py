@@ -11,9 +11,14 @@ every such tensor is its own anonymous map, 2 MB-aligned, asked. "never", anothe
 cannot ask, or MIXSERVE_HUGE_PAGES=0 leaves 4 KB pages: the same bytes, only slower.
 
 Source: the kernel's Documentation/admin-guide/mm/transhuge.rst.
+
+A step's big, short-lived tensors (a prefill chunk's activations) are the other side: `keep_freed_heap`
+has glibc's malloc reuse the memory the step before freed instead of mapping fresh pages for each.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 import os
@@ -26,6 +31,11 @@ HUGE_PAGE = 2 << 20  # x86-64's PMD size
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _mode: str | None = None
 _placed: dict[int, int] = {}  # start -> end of each huge-page map alive (empty_zeroed)
+# glibc's mallopt parameters (malloc.h) and the values keep_freed_heap sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 1 << 30
+HEAP_TRIM_THRESHOLD = 1 << 30
+_heap_kept: bool | None = None
 
 
 def thp_mode() -> str:
@@ -102,3 +112,43 @@ def own_copy(t: torch.Tensor) -> torch.Tensor:
     file is copied, the map goes, where a view kept would keep the whole file's pages resident."""
     c = on_huge_pages(t.contiguous())
     return c if c is not t else t.clone()
+
+
+def keep_freed_heap() -> bool:
+    """Have glibc's malloc keep a step's freed temporaries for the next step: allocations up to
+    HEAP_MMAP_THRESHOLD (1 GB) come from the heap, not from a map of their own, and up to
+    HEAP_TRIM_THRESHOLD of free memory at the heap's top stays with the process. Returns whether
+    the settings are in force (once a process; later calls return the first answer).
+
+    Why: glibc maps every allocation above its mmap threshold (128 KB, raised by each such free up to
+    32 MB) afresh and unmaps it at free, so each of a prefill chunk's big tensors (a 1536-row chunk's
+    gate+up output on the 0.5B: 60 MB in float32) faults every 4 KB page in again, every layer. A
+    1536-token prefill of the 0.5B, both engines in one process, 3 rounds alternated: batch invariance
+    on 3.0 -> 2.5 s, off 2.4 -> 2.15 s (Zen 5 EPYC, 2026-12-06; BENCHMARKS.md "Issue 43, seventh
+    round"). The cost: memory a step freed stays resident (the process keeps its peak), and in a
+    thread's own arena (the server's engine thread) blocks past glibc's 64 MB heaps are still mapped.
+
+    Nothing is changed where the C library is not glibc (no `mallopt`), where the user tuned malloc
+    (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES set, or another allocator
+    (jemalloc, tcmalloc, mimalloc) preloaded), or with MIXSERVE_KEEP_HEAP=0. Source: mallopt(3).
+    """
+    global _heap_kept
+    if _heap_kept is not None:
+        return _heap_kept
+    _heap_kept = False
+    env = os.environ
+    if (env.get("MIXSERVE_KEEP_HEAP", "1") == "0" or "malloc" in env.get("LD_PRELOAD", "")
+            or any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"))):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others have no such tuning
+            return False
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # the trim threshold first: setting either turns glibc's dynamic thresholds off
+    _heap_kept = bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)) and bool(
+        mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
+    return _heap_kept

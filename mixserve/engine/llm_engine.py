@@ -16,6 +16,7 @@ from mixserve.engine.model_runner import BatchItem, ModelRunner
 from mixserve.engine.sampler import Sampler, SamplingMetadata, apply_token_mask, process_logits
 from mixserve.engine.scheduler import Scheduler
 from mixserve.env import unkept
+from mixserve.host_memory import keep_freed_heap
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.kernel_choice import (KernelChooser, amx_permitted, bound_primitive_caches, cap_isa, cap_threads,
                                            parse_overrides)
@@ -109,6 +110,8 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = parse_dtype(args.dtype, self.device)
         cap_threads()
+        if self.device.type == "cpu":
+            keep_freed_heap()  # a step's big temporaries reuse the step before's memory (host_memory.py)
         bound_primitive_caches()  # before any oneDNN call, as amx_permitted below
         # $MIXSERVE_ISA=avx2: oneDNN capped at AVX2, and so no AMX
         self.amx = amx_permitted() if cap_isa() is None else False

@@ -73,3 +73,55 @@ def test_gguf_weights_moved_give_the_same_products_and_stay_shared():
     if host_memory.thp_mode() in ("always", "madvise"):
         assert moved >= w.lo.nbytes and w.lo.data_ptr() % host_memory.HUGE_PAGE == 0
     assert torch.equal(w.matmul(x, 2), before)
+
+
+_FAULTS = r"""
+import resource, sys, torch
+from mixserve import host_memory
+kept = host_memory.keep_freed_heap()
+def faults_of_fill():
+    t = torch.empty(10 << 20)  # 40 MB: above glibc's default mmap threshold's ceiling (32 MB)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+faults_of_fill()
+print(kept, faults_of_fill())
+"""
+
+
+def _run_faults(env_extra: dict) -> tuple[bool, int]:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MIXSERVE_KEEP_HEAP", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    kept, faults = out.stdout.split()[-2:]
+    return kept == "True", int(faults)
+
+
+def test_a_freed_big_temporary_is_reused_without_faulting_its_pages_in_again():
+    kept, faults = _run_faults({})
+    if not kept:
+        pytest.skip("not glibc's malloc: keep_freed_heap changes nothing here")
+    # 40 MB is 10,240 pages of 4 KB: a fresh map faults each in again, the kept heap none
+    assert faults < 1000, f"the second 40 MB tensor faulted {faults} pages in"
+    off, faults_off = _run_faults({"MIXSERVE_KEEP_HEAP": "0"})
+    assert not off and faults_off > 5000, "without the setting glibc maps the tensor afresh (the test's premise)"
+
+
+@pytest.mark.parametrize("env", [{"MIXSERVE_KEEP_HEAP": "0"}, {"MALLOC_MMAP_THRESHOLD_": "65536"},
+                                 {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}])
+def test_keep_freed_heap_leaves_a_users_malloc_tuning_alone(env):
+    import os
+    import subprocess
+    import sys
+
+    code = "from mixserve import host_memory; print(host_memory.keep_freed_heap())"
+    e = {k: v for k, v in os.environ.items() if k not in ("MIXSERVE_KEEP_HEAP", "GLIBC_TUNABLES")}
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[-1] == "False", out.stdout + out.stderr[-2000:]
