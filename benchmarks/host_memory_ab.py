@@ -3,7 +3,8 @@
 Each setting is once a process (malloc's thresholds, where the weights were placed), so each arm is a
 child process with its environment, the arms run in turn `--rounds` times: per child, one engine
 (`--batch-invariant`), a warm-up, then the seconds to the first token of `--prefill-tokens`-token
-prompts (three, no cached prefix) and the decode tokens/s of one stream (`--new-tokens`). Arms:
+prompts (three, no cached prefix), the decode tokens/s of one stream (`--new-tokens`) and the
+process's peak RSS. Arms:
   - keep-heap on / off: MIXSERVE_KEEP_HEAP (host_memory.keep_freed_heap: a step's freed temporaries
     reused, not mapped afresh);
   - huge-pages on / off: MIXSERVE_HUGE_PAGES (weights and KV cache on transparent huge pages).
@@ -38,7 +39,9 @@ def decode():
     o = llm.generate([[100 + j for j in range(32)]], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))[0]
     return (new - 1) / (o.metrics["finish"] - o.metrics["first_token"])
 prefill(-1, 64); decode()
-print(json.dumps({"prefill_s": statistics.median(prefill(r, tokens) for r in range(3)), "decode_tok_s": decode()}))
+import resource
+got = {"prefill_s": statistics.median(prefill(r, tokens) for r in range(3)), "decode_tok_s": decode()}
+print(json.dumps({**got, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -71,6 +74,7 @@ def main() -> None:
           f"(off / on {med['off']['prefill_s'] / med['on']['prefill_s']:.2f})")
     print(f"  decode, one stream: {med['on']['decode_tok_s']:.1f} / {med['off']['decode_tok_s']:.1f} tok/s "
           f"(on / off {med['on']['decode_tok_s'] / med['off']['decode_tok_s']:.2f})")
+    print(f"  peak RSS: {med['on']['peak_rss_mb']:.0f} / {med['off']['peak_rss_mb']:.0f} MB")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"machine": info, "args": vars(a), "runs": got, "medians": med}, f, indent=1)
