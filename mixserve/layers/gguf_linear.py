@@ -182,8 +182,10 @@ class GGUFWeight:
 
     def matmul(self, x: torch.Tensor, levels: int = 1) -> torch.Tensor:
         """x [R, K] (any float dtype) -> float32 [R, N]: the effective weights times x quantized per
-        32 channels to `levels` int8 levels (1-4; two make one int16 row, layers/gguf_src.py)."""
-        return torch.ops.mixserve.gguf_matmul(x.float().contiguous(), *self._args(), levels, self.prefetch)
+        32 channels to `levels` int8 levels (1-4; two make one int16 row, layers/gguf_src.py). float32
+        and bfloat16 go in as they are (the kernel widens bfloat16 exactly: no float32 copy)."""
+        x = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        return torch.ops.mixserve.gguf_matmul(x.contiguous(), *self._args(), levels, self.prefetch)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -99,7 +99,7 @@ static Layout layout(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch:
 // the quantized activations: RQ int16 rows of K channels
 struct Act {
   int64_t RQ = 0, K = 0, ng = 0;
-  std::vector<int16_t> x16;        // [RQ, K]
+  std::vector<int16_t> x16;        // [RQ, K] (not written where the VNNI many-row kernel runs: it reads xp)
   std::vector<int8_t> x1, x2;      // [RQ, K] the two bytes (the few-row kernel's; empty otherwise)
   std::vector<float> e, xs;        // [RQ, K/32] scales; [RQ, ng] e * sum of x16 over the group
   std::vector<int32_t> gs;         // [RQ, ng] sum of x16 over the group
@@ -109,36 +109,27 @@ struct Act {
 };
 static constexpr int64_t PACK_ROWS = 6;
 
-static void pack_rows(Act& A) {
-  const int64_t nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS, K2 = A.K / 2;
-  A.xp.resize(nb * K2 * PACK_ROWS);
-  at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int32_t* src[PACK_ROWS];
-      static const int32_t zero = 0;
-      for (int64_t r = 0; r < PACK_ROWS; ++r)
-        src[r] = b * PACK_ROWS + r < A.RQ ? (const int32_t*)(A.x16.data() + (b * PACK_ROWS + r) * A.K) : nullptr;
-      int32_t* dst = A.xp.data() + b * K2 * PACK_ROWS;
-      for (int64_t t = 0; t < K2; ++t)  // contiguous writes, PACK_ROWS read streams
-        for (int64_t r = 0; r < PACK_ROWS; ++r) dst[t * PACK_ROWS + r] = src[r] ? src[r][t] : zero;
-    }
-  });
-}
-
 #ifdef GGUF_NATIVE
 // one row to int16 per 32 channels (AVX2, which both variants have): dx = max|x| / 127 (NaN where a
 // value is not finite: the row's outputs are then NaN, and only its own), x16 = round(256 * x / dx)
 // half to even (full) or 256 * round(x / dx) (one int8 level), clamped to +-32512; rest (if asked)
-// = fma(-x16, e, x)
-static void quantize16(const float* xr, int64_t K, bool full, int16_t* q, float* e, float* rest) {
+// = fma(-x16, e, x); s16[h] = the exact sum of x16 over channels 16h .. 16h + 15. T: float, or
+// at::BFloat16 (widened exactly: the same values as the caller's .float(), without its pass)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+template <typename T>
+static void quantize16(const T* xr, int64_t K, bool full, int16_t* q, float* e, float* rest, int32_t* s16) {
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), inf = _mm256_set1_ps(INFINITY);
   const __m256 lo = _mm256_set1_ps(-32512.f), hi = _mm256_set1_ps(32512.f), k256 = _mm256_set1_ps(256.f);
   for (int64_t c = 0; c < K / 32; ++c) {
-    const float* xc = xr + c * 32;
+    const T* xc = xr + c * 32;
     __m256 v[4], m = _mm256_setzero_ps();
     int finite = 0xFF;
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xc + 8 * i);
+      v[i] = load8(xc + 8 * i);
       const __m256 a = _mm256_and_ps(v[i], absmask);
       finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and NaN
       m = _mm256_max_ps(m, a);
@@ -161,6 +152,14 @@ static void quantize16(const float* xr, int64_t K, bool full, int16_t* q, float*
       qi[i] = _mm256_cvtps_epi32(f);
       if (rest) _mm256_storeu_ps(rest + c * 32 + 8 * i, _mm256_fnmadd_ps(f, ev, v[i]));
     }
+    // |x16| <= 32512: 16 of them sum exactly in int32, and packs_epi32 below keeps each
+    for (int h = 0; h < 2; ++h) {
+      const __m256i t = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+      s16[2 * c + h] = _mm_cvtsi128_si32(u);
+    }
     const __m256i a = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[0], qi[1]), 0xD8);
     const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[2], qi[3]), 0xD8);
     _mm256_storeu_si256((__m256i*)(q + c * 32), a);
@@ -168,33 +167,50 @@ static void quantize16(const float* xr, int64_t K, bool full, int16_t* q, float*
   }
 }
 
-// x float32 [R, K] -> A: R * ceil(levels / 2) int16 rows, their group sums, and (bytes) the two int8
-// planes the few-row kernel broadcasts
-static void quantize_act(const float* x, int64_t R, int64_t K, int64_t G, int64_t levels, bool bytes, Act& A) {
+// x [R, K] (float32 or bfloat16) -> A: R * ceil(levels / 2) int16 rows, their group sums, and (bytes) the two int8
+// planes the few-row kernel broadcasts, or (packed) only the many-row kernel's copy of them (xp)
+template <typename T>
+static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t levels, bool bytes, bool packed,
+                         Act& A) {
   const int64_t per = (levels + 1) / 2;
   // every element below is written: resize keeps a reused buffer's pages (fresh ones fault in,
   // ~20% of a 512-row call's time when allocated per call)
   A.RQ = R * per; A.K = K; A.ng = K / G;
-  A.x16.resize(A.RQ * K); A.e.resize(A.RQ * (K / 32));
+  const int64_t K2 = K / 2, nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS;
+  if (packed) A.xp.resize(nb * K2 * PACK_ROWS);
+  else A.x16.resize(A.RQ * K);
+  A.e.resize(A.RQ * (K / 32));
   A.gs.resize(A.RQ * A.ng); A.xs.resize(A.RQ * A.ng);
   if (bytes) { A.x1.resize(A.RQ * K); A.x2.resize(A.RQ * K); }
-  // rows are quantized independently: on every thread (a 512-token prefill's rows took ~0.5 s on one)
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  // rows are quantized independently, on every thread (a 512-token prefill's rows took ~0.5 s on
+  // one); packed, a task is whole blocks of PACK_ROWS int16 rows (PACK_ROWS / per source rows), so
+  // no two threads write one block's interleaved words
+  const int64_t unit = packed ? PACK_ROWS / per : 1, units = (R + unit - 1) / unit;
+  at::parallel_for(0, units, packed ? 1 : 16, [&](int64_t u0, int64_t u1) {
     std::vector<float> rest(2 * K);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* src = x + r * K;
+    std::vector<int16_t> own(packed ? K : 0);
+    std::vector<int32_t> s16(K / 16);
+    for (int64_t r = u0 * unit; r < std::min(R, u1 * unit); ++r) {
+      const float* src = nullptr;  // the level before's rest, from the second level on
       for (int64_t i = 0; i < per; ++i) {
         const int64_t row = per * r + i;
         const bool full = 2 * (i + 1) <= levels;
         float* left = rest.data() + (i % 2) * K;
-        int16_t* q = A.x16.data() + row * K;
-        quantize16(src, K, full, q, A.e.data() + row * (K / 32), i + 1 < per ? left : nullptr);
+        int16_t* q = packed ? own.data() : A.x16.data() + row * K;
+        float* e = A.e.data() + row * (K / 32);
+        float* keep = i + 1 < per ? left : nullptr;
+        if (i == 0) quantize16(x + r * K, K, full, q, e, keep, s16.data());
+        else quantize16(src, K, full, q, e, keep, s16.data());
         src = left;
         for (int64_t g = 0; g < A.ng; ++g) {
-          int32_t s = 0;
-          for (int64_t c = 0; c < G; ++c) s += q[g * G + c];
-          A.gs[row * A.ng + g] = s;
-          A.xs[row * A.ng + g] = A.e[row * (K / 32) + g * G / 32] * (float)s;
+          const int32_t sg = G == 16 ? s16[g] : s16[2 * g] + s16[2 * g + 1];
+          A.gs[row * A.ng + g] = sg;
+          A.xs[row * A.ng + g] = A.e[row * (K / 32) + g * G / 32] * (float)sg;
+        }
+        if (packed) {  // the many-row kernel's layout: per block [K/2 channel pairs][PACK_ROWS]
+          const int32_t* w = (const int32_t*)q;
+          int32_t* dst = A.xp.data() + (row / PACK_ROWS) * K2 * PACK_ROWS + row % PACK_ROWS;
+          for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = w[t];
         }
         if (bytes) {
           int8_t* b1 = A.x1.data() + row * K; int8_t* b2 = A.x2.data() + row * K;
@@ -207,6 +223,11 @@ static void quantize_act(const float* x, int64_t R, int64_t K, int64_t G, int64_
       }
     }
   });
+  if (packed)  // the last block's rows past RQ read as zeros
+    for (int64_t row = A.RQ; row < nb * PACK_ROWS; ++row) {
+      int32_t* dst = A.xp.data() + (row / PACK_ROWS) * K2 * PACK_ROWS + row % PACK_ROWS;
+      for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = 0;
+    }
 }
 
 // the many-row kernels' blocking: channels in blocks of `kc` (K itself up to 1024, else 1024), panels
@@ -590,25 +611,29 @@ int64_t isa_level() {
 #endif
 }
 
-// x float [R, K] -> y float [R, N]
+// x float32 or bfloat16 [R, K] -> y float32 [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
                      torch::Tensor dm, torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z,
                      int64_t levels, int64_t prefetch) {
   const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
-              "gguf matmul: x float32 [R, K] contiguous");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
+              "gguf matmul: x float32 or bfloat16 [R, K] contiguous");
   TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
   const int64_t R = x.size(0), per = (levels + 1) / 2, PF = std::max<int64_t>(0, prefetch);
-  auto y = torch::empty({R * per, L.N}, x.options());
+  auto y = torch::empty({R * per, L.N}, x.options().dtype(at::kFloat));
 #ifdef GGUF_NATIVE
   if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
   static thread_local Act A;  // kept between calls (see quantize_act)
   // read once: another thread's gguf_wide_rows between the reads would leave the planes a kernel reads unbuilt
   const int64_t wide = g_wide_rows;
-  quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= wide, A);
 #ifdef GGUF_VNNI
-  if (A.RQ > wide) pack_rows(A);
+  const bool packed = R * per > wide;  // the many-row kernel reads only the packed copy
+#else
+  const bool packed = false;
 #endif
+  if (bf) quantize_act(x.data_ptr<at::BFloat16>(), R, L.K, G, levels, R * per <= wide, packed, A);
+  else quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= wide, packed, A);
   float* yp = y.data_ptr<float>();
 #define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)

@@ -181,7 +181,7 @@ def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
     code = "from mixserve.layers import gguf_kernels; assert gguf_kernels.isa() == 'avx2', gguf_kernels.isa()"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "float_order or bits_it_gets_alone or levels_past_two"], env=env, capture_output=True, text=True, timeout=900)
+                        "float_order or bits_it_gets_alone or levels_past_two or bfloat16"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -200,6 +200,24 @@ def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
                 y = w.matmul(x[:rows], levels=levels)
                 picked = [i for i in (0, 1, 6, 63, 511) if i < rows]
                 assert torch.equal(y[picked], alone[:len(picked)]), (qtype, n, k, levels, rows)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_bfloat16_activations_go_in_as_their_float32_values(qtype):
+    """The kernel reads bfloat16 rows itself (no float32 copy a call): the same bits as the same
+    values in float32, at few rows and many, every level count, with a NaN row failing only itself."""
+    torch.manual_seed(8)
+    n, k = shapes(qtype)[1]
+    w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed=9), k)
+    xb = (torch.randn(70, k) * torch.linspace(0.1, 3, k)).bfloat16()
+    xb[5, 3] = float("nan")
+    for levels in (1, 2, 3, 4):
+        for rows in (1, 3, 7, 70):
+            y = w.matmul(xb[:rows], levels=levels)
+            ref = torch.ops.mixserve.gguf_matmul(xb[:rows].float().contiguous(), *w._args(), levels, w.prefetch)
+            assert y.dtype == torch.float32 and torch.equal(y.nan_to_num(7.0), ref.nan_to_num(7.0)), (levels, rows)
+            if rows > 5:
+                assert y[5].isnan().all() and not y[:5].isnan().any() and not y[6:].isnan().any()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
