@@ -181,7 +181,7 @@ def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
     code = "from mixserve.layers import gguf_kernels; assert gguf_kernels.isa() == 'avx2', gguf_kernels.isa()"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "float_order or bits_it_gets_alone or levels_past_two or bfloat16"], env=env, capture_output=True, text=True, timeout=900)
+                        "float_order or bits_it_gets_alone or levels_past_two or bfloat16 or chunks"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -200,6 +200,22 @@ def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
                 y = w.matmul(x[:rows], levels=levels)
                 picked = [i for i in (0, 1, 6, 63, 511) if i < rows]
                 assert torch.equal(y[picked], alone[:len(picked)]), (qtype, n, k, levels, rows)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_rows_in_chunks_and_channels_in_blocks_keep_each_rows_bits(qtype):
+    """The many-row kernel takes rows in chunks of ~2 MB of activations (450 rows at K = 2304) and
+    channels in blocks of 1024: rows on either side of a chunk's edge, and a K past one block with
+    a partial last block, get the bits they get alone and in a 7-row call."""
+    torch.manual_seed(10)
+    k = 2304 if qtype.endswith("_K") else 2080
+    w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, 37, k, seed=11), k)
+    x = (torch.randn(1100, k) * torch.linspace(0.1, 3, k)).bfloat16()
+    picked = [0, 5, 449, 450, 451, 899, 900, 1099]
+    y = w.matmul(x, levels=2)
+    alone = torch.cat([w.matmul(x[i:i + 1], levels=2) for i in picked])
+    assert torch.equal(y[picked], alone), qtype
+    assert torch.equal(y[445:452], w.matmul(x[445:452], levels=2)), qtype
 
 
 @pytest.mark.parametrize("qtype", TYPES)
