@@ -232,7 +232,9 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
 
 // the many-row kernels' blocking: channels in blocks of `kc` (K itself up to 1024, else 1024), panels
 // in tiles of `tp` (the tile's int16 weights, 32 bytes a channel a panel: ~256 KB for an unblocked K,
-// ~128 KB with blocks, at most 8 panels), at least two tiles a thread so the threads share them; every
+// ~128 KB with blocks, at most 8 panels), sized so that the threads' shares of panels are as even as
+// tiles allow (parallel_for gives each thread a run of ceil(tiles / threads) tiles: the 0.5B's
+// 56-panel o_proj in 8-panel tiles split 32 / 24 panels, in 4-panel tiles 28 / 28); every
 // activation row runs against a tile's block before the next block is unpacked (the float
 // accumulators wait in y between blocks, so each output still adds its groups in order). Timed by
 // hand on a Zen 5 EPYC, 512 rows: blocks of 512 channels and 14-panel tiles ran the 0.5B's down
@@ -241,10 +243,14 @@ static inline int64_t block_channels(int64_t K) { return K <= 1024 ? K : 1024; }
 
 static inline int64_t tile_panels(int64_t NP, int64_t kc) {
   const int64_t by_cache = std::max<int64_t>(1, (kc < 1024 ? 256 * 1024 : 128 * 1024) / (32 * kc));
-  const int64_t by_threads = std::max<int64_t>(1, (NP + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads()));
-  int64_t tp = std::min<int64_t>({by_cache, by_threads, 8});
-  if (tp > 1) tp &= ~(int64_t)1;
-  return std::max<int64_t>(1, tp);
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads()), cap = std::min<int64_t>(by_cache, 8);
+  int64_t best = 1, load = NP;  // the busiest thread's panels
+  for (int64_t tp = cap; tp >= 1; --tp) {
+    if (tp > 1 && tp % 2) continue;  // the micro-kernels take panels in pairs
+    const int64_t tiles = (NP + tp - 1) / tp, l = std::min<int64_t>(NP, (tiles + nt - 1) / nt * tp);
+    if (l < load) { best = tp; load = l; }
+  }
+  return best;
 }
 
 // the int16 tile of the many-row kernels (both variants): per panel [channel pairs of the block][16
