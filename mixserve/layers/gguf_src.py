@@ -412,8 +412,10 @@ static inline void unpack(const uint8_t* lg, const uint8_t* hg, __m512i hv, int6
 static inline __m512i bcast4(const void* p) { int32_t u; std::memcpy(&u, p, 4); return _mm512_set1_epi32(u); }
 
 // R int16 rows (A's rows r0 ..) against every panel, streaming the weights once: per group, the
-// integer sums of both bytes with vpdpbusd, combined exactly, then the documented float step
-template <int R, int G, int HB>
+// integer sums of both bytes with vpdpbusd, combined exactly, then the documented float step. ALT
+// (three levels: r0 even, every odd row the last level's 256 * round(x / dx)): an odd row's low byte
+// is 0, so its sums skip it (the same integers, a quarter fewer vpdpbusd for the LM head)
+template <int R, int G, int HB, bool ALT = false>
 static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
   const int64_t K = L.K, ng = L.ng, nk = K / 32;
   const bool off = L.dm != nullptr;
@@ -443,9 +445,11 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
             const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
             const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
             a1[r] = _mm512_dpbusd_epi32(a1[r], qa, bcast4(x1 + 4 * j));
-            a2[r] = _mm512_dpbusd_epi32(a2[r], qa, bcast4(x2 + 4 * j));
             a1[r] = _mm512_dpbusd_epi32(a1[r], qb, bcast4(x1 + 4 * (j + G / 8)));
-            a2[r] = _mm512_dpbusd_epi32(a2[r], qb, bcast4(x2 + 4 * (j + G / 8)));
+            if (!ALT || r % 2 == 0) {
+              a2[r] = _mm512_dpbusd_epi32(a2[r], qa, bcast4(x2 + 4 * j));
+              a2[r] = _mm512_dpbusd_epi32(a2[r], qb, bcast4(x2 + 4 * (j + G / 8)));
+            }
           }
         }
         __m512 s, m;
@@ -599,8 +603,15 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt) {
   if (A.RQ > wide) return many<G, HB>(L, A, y);
+  if (alt) {  // three levels: rows in pairs (an int16 row, its rest's int8 row)
+    for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
+      if (A.RQ - r0 >= 4) few<4, G, HB, true>(L, A, r0, y, PF);
+      else few<2, G, HB, true>(L, A, r0, y, PF);
+    }
+    return;
+  }
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
     switch (std::min<int64_t>(4, A.RQ - r0)) {
       case 1: few<1, G, HB>(L, A, r0, y, PF); break;
@@ -657,7 +668,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   if (bf) quantize_act(x.data_ptr<at::BFloat16>(), R, L.K, G, levels, R * per <= wide, packed, A);
   else quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= wide, packed, A);
   float* yp = y.data_ptr<float>();
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide, levels == 3); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
   { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
 #undef GGUF_CASE
@@ -808,7 +819,7 @@ static inline __m256i dotq(__m256i q, __m256i hq, __m256i x) {
     return dot4x(q, x);
 }
 
-template <int R, int G, int HB>
+template <int R, int G, int HB, bool ALT = false>  // ALT: as the VNNI variant's few()
 static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
   const int64_t K = L.K, ng = L.ng, nk = K / 32;
   const bool off = L.dm != nullptr;
@@ -835,9 +846,11 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
               const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
               const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
               a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qa, ha, bcast4x(x1 + 4 * j)));
-              a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qa, ha, bcast4x(x2 + 4 * j)));
               a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qb, hb, bcast4x(x1 + 4 * (j + G / 8))));
-              a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qb, hb, bcast4x(x2 + 4 * (j + G / 8))));
+              if (!ALT || r % 2 == 0) {
+                a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qa, ha, bcast4x(x2 + 4 * j)));
+                a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qb, hb, bcast4x(x2 + 4 * (j + G / 8))));
+              }
             }
           }
           __m256 s, m;
@@ -977,10 +990,11 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt) {
   if (A.RQ > std::min<int64_t>(wide, 4)) return many<G, HB>(L, A, y);
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 2) {
-    if (A.RQ - r0 >= 2) few<2, G, HB>(L, A, r0, y, PF);
+    if (alt) few<2, G, HB, true>(L, A, r0, y, PF);  // RQ is even: pairs of an int16 row and an int8 row
+    else if (A.RQ - r0 >= 2) few<2, G, HB>(L, A, r0, y, PF);
     else few<1, G, HB>(L, A, r0, y, PF);
   }
 }
