@@ -134,6 +134,13 @@ class DecodeGraph:
 
     def __init__(self, model, block_size: int, max_blocks: int, max_rows: int):
         pin_inductor_cache()
+        from mixserve.layers import rmsnorm
+
+        # the norm's and SwiGLU's C++ ops built and registered now: deciding that inside the first
+        # trace (a build and register_fake, which Dynamo cannot trace) broke the graph in the
+        # layers' loop, and Dynamo then ran the whole step eager with each layer's pieces compiled
+        # apart (~117 frames a step, ~5 ms of the 1.5B's 27 ms; issue 43, seventh round)
+        rmsnorm.rows_kernel()
         self.model = model
         self.block_size = block_size
         self.max_rows = max_rows
