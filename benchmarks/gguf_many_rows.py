@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mixserve.env import machine_info
+from mixserve.host_memory import keep_freed_heap
 from mixserve.layers import gguf_kernels, gguf_linear
 from mixserve.layers.gguf_linear import GGUFLinear, GGUFWeight
 from mixserve.layers.kernel_choice import KernelChooser, time_calls
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(2)
+    keep_freed_heap()  # as the engine: a call's output reuses freed memory, not fresh pages
     info = machine_info()
     print(json.dumps(info))
     print(f"native kernel variant: {gguf_kernels.isa()}; int8 levels per row: {gguf_linear.ACT_LEVELS}", flush=True)
