@@ -650,8 +650,9 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
                      int64_t levels, int64_t prefetch) {
   const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
   const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous() && x.size(1) == L.K,
+  TORCH_CHECK((bf || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "gguf matmul: x float32 or bfloat16 [R, K] contiguous");
+  TORCH_CHECK(x.size(1) == L.K, "gguf matmul: x has ", x.size(1), " channels, the weight ", L.K);
   TORCH_CHECK(levels >= 1 && levels <= 4, "gguf matmul: levels in 1..4");
   const int64_t R = x.size(0), per = (levels + 1) / 2, PF = std::max<int64_t>(0, prefetch);
   auto y = torch::empty({R * per, L.N}, x.options().dtype(at::kFloat));

@@ -709,3 +709,24 @@ def test_the_decode_graph_is_one_graph_in_a_fresh_process(tmp_path, dtype):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("BREAKS")][-1]
     assert line.split()[1] == "0", line
+
+
+def test_a_graph_break_in_the_decode_graph_is_said(tiny, reference, monkeypatch, caplog):
+    """A break in the decode graph's first trace (here one forced in every norm) is logged as a warning
+    naming it, and the step still gives the reference's tokens."""
+    from mixserve.layers import rmsnorm
+
+    plain = rmsnorm.RMSNorm.forward
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return plain(self, x)
+
+    monkeypatch.setattr(rmsnorm.RMSNorm, "forward", forward)
+    folder, _ = tiny
+    with caplog.at_level("WARNING", logger="mixserve"):
+        llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
+        check_all(llm.generate([reference[0][0]], GREEDY), reference)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode graph:")
+            and "graph break" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]

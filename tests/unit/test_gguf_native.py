@@ -323,6 +323,8 @@ def test_bad_row_operations_are_refused_and_empty_rows_write_nothing():
     for bad in (torch.arange(3), torch.tensor([0, 0, 1, 2]), torch.tensor([0.0, 1, 2, 3]), torch.arange(4).view(2, 2)):
         with pytest.raises(ValueError, match="permutation"):
             w.permute_rows(bad)
+    with pytest.raises(RuntimeError, match="x has 64 channels, the weight 32"):  # names both sizes
+        w.matmul(torch.randn(2, 64), 2)
 
 
 def test_embedding_rows_are_the_dequantized_rows():
