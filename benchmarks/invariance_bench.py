@@ -45,19 +45,21 @@ def main() -> None:
     info = machine_info()
     print(json.dumps(info), flush=True)
     runs: dict[str, list[dict]] = {"on": [], "off": []}
-    work = Path(tempfile.mkdtemp(prefix="invariance-bench-"))
-    for r in range(a.rounds):
-        for arm in runs:
-            out = work / f"{arm}-{r}.json"
-            cmd = [sys.executable, "-m", "mixserve.cli", "bench", "--model", a.model, "--dataset", "sharegpt",
-                   "--num-prompts", str(a.num_prompts), "--batch-invariant", arm, "--output", str(out), *a.extra]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                raise SystemExit(f"bench ({arm}, round {r}) exited {p.returncode}:\n{p.stderr[-3000:]}")
-            report = json.loads(out.read_text())
-            got = {name: pick(report, path) for name, path in KEYS.items()}
-            runs[arm].append(got)
-            print(f"round {r} {arm:3s} " + "  ".join(f"{k} {v:.3f}" for k, v in got.items()), flush=True)
+    with tempfile.TemporaryDirectory(prefix="invariance-bench-") as tmp:  # each run's report, read back
+        work = Path(tmp)
+        for r in range(a.rounds):
+            for arm in runs:
+                out = work / f"{arm}-{r}.json"
+                cmd = [sys.executable, "-m", "mixserve.cli", "bench", "--model", a.model, "--dataset", "sharegpt",
+                       "--num-prompts", str(a.num_prompts), "--batch-invariant", arm, "--output", str(out),
+                       *a.extra]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    raise SystemExit(f"bench ({arm}, round {r}) exited {p.returncode}:\n{p.stderr[-3000:]}")
+                report = json.loads(out.read_text())
+                got = {name: pick(report, path) for name, path in KEYS.items()}
+                runs[arm].append(got)
+                print(f"round {r} {arm:3s} " + "  ".join(f"{k} {v:.3f}" for k, v in got.items()), flush=True)
     med = {arm: {k: statistics.median(x[k] for x in v) for k in KEYS} for arm, v in runs.items()}
     ratio = {"output tok/s": med["on"]["output tok/s"] / med["off"]["output tok/s"],
              "TTFT mean s": med["on"]["TTFT mean s"] / med["off"]["TTFT mean s"],
