@@ -123,10 +123,11 @@ def keep_freed_heap() -> bool:
     Why: glibc maps every allocation above its mmap threshold (128 KB, raised by each such free up to
     32 MB) afresh and unmaps it at free, so each of a prefill chunk's big tensors (a 1536-row chunk's
     gate+up output on the 0.5B: 60 MB in float32) faults every 4 KB page in again, every layer. A
-    1536-token prefill of the 0.5B, both engines in one process, 3 rounds alternated: batch invariance
-    on 3.0 -> 2.5 s, off 2.4 -> 2.15 s (Zen 5 EPYC, 2026-12-06; BENCHMARKS.md "Issue 43, seventh
-    round"). The cost: memory a step freed stays resident (the process keeps its peak), and in a
-    thread's own arena (the server's engine thread) blocks past glibc's 64 MB heaps are still mapped.
+    1536-token prefill of the 0.5B: batch invariance on 3.26 -> 2.67 s, off 2.64 -> 2.16 s
+    (benchmarks/host_memory_ab.py, Zen 5 EPYC, 2026-12-06; BENCHMARKS.md "Issue 43, seventh round").
+    The cost: memory a step freed stays resident (+61 MB peak for one 0.5B engine; a process making
+    engines in turn kept ~150 MB more of what they freed), and in a thread's own arena (the server's
+    engine thread) blocks past glibc's 64 MB heaps are still mapped.
 
     Nothing is changed where the C library is not glibc (no `mallopt`), where the user tuned malloc
     (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES set, or another allocator
