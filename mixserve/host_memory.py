@@ -18,7 +18,6 @@ has glibc's malloc reuse the memory the step before freed instead of mapping fre
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 import os
@@ -141,13 +140,10 @@ def keep_freed_heap() -> bool:
     if (env.get("MIXSERVE_KEEP_HEAP", "1") == "0" or "malloc" in env.get("LD_PRELOAD", "")
             or any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"))):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        if not hasattr(libc, "gnu_get_libc_version"):  # musl and others have no such tuning
-            return False
-    except (OSError, AttributeError):
+    libc = ctypes.CDLL(None)  # the process's own symbols: the C library it runs on (no ldconfig run)
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):  # not glibc: no such tuning
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # the trim threshold first: setting either turns glibc's dynamic thresholds off
     _heap_kept = bool(mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)) and bool(

@@ -1,5 +1,9 @@
-"""host_memory.py: the weights and KV cache on transparent huge pages (issue 43, sixth round)."""
+"""host_memory.py: the weights and KV cache on transparent huge pages (issue 43, sixth round), and malloc
+keeping a step's freed temporaries (seventh round)."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,10 +95,6 @@ print(kept, max([faults_of_fill() for _ in range(16)][-4:]))
 
 
 def _run_faults(env_extra: dict) -> tuple[bool, int]:
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("MIXSERVE_KEEP_HEAP", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
     env.update(env_extra)
@@ -117,10 +117,6 @@ def test_a_freed_big_temporary_is_reused_without_faulting_its_pages_in_again():
 @pytest.mark.parametrize("env", [{"MIXSERVE_KEEP_HEAP": "0"}, {"MALLOC_MMAP_THRESHOLD_": "65536"},
                                  {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}])
 def test_keep_freed_heap_leaves_a_users_malloc_tuning_alone(env):
-    import os
-    import subprocess
-    import sys
-
     code = "from mixserve import host_memory; print(host_memory.keep_freed_heap())"
     e = {k: v for k, v in os.environ.items() if k not in ("MIXSERVE_KEEP_HEAP", "GLIBC_TUNABLES")}
     e.update(env)
