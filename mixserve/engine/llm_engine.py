@@ -540,7 +540,7 @@ class LLMEngine:
             decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
             prefill_tokens = sum(s.num_uncomputed_tokens for s in self.scheduler.running) - len(decoding)
             alphas = [self.controller.alpha_for(s.spec_accepted, s.spec_evaluated) for s in decoding]
-            k = self.controller.choose(alphas, prefill_tokens)
+            k = self.controller.choose(alphas, prefill_tokens, sum(self.proposer.lag(s) for s in decoding))
         sched = self.scheduler.schedule(lookahead=k)
         # whom an exception from here on concerns: the server fails these, not every request
         self.step_request_ids = [s.seq.request_id for s in sched.scheduled]
@@ -595,6 +595,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         if decode and self.proposer.step_time is not None:
             self.controller.draft.record(len(decode), self.proposer.step_time)
+        if decode and self.proposer.forwards and self.proposer.forwards[0][0] > len(decode):
+            self.controller.draft.record(*self.proposer.forwards[0])  # a catch-up's cost by its rows
         drafts = {s.seq.seq_id: p.tokens[:s.lookahead] for s, p in zip(decode, props)}
         qs = {s.seq.seq_id: p.q for s, p in zip(decode, props)}
         if self.grammar_steps is not None:  # structured output: drafts the grammar forbids cut short

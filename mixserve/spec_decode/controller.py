@@ -21,17 +21,29 @@ class StepCostTable:
     verification timed into the 256 bucket placed at 256 would make every count between the
     buckets look cheaper than it is, and large k at batch look like it pays when it does not.
 
-    estimate(rows) interpolates linearly between the points, is flat below the smallest and
-    proportional to rows above the largest; None when nothing is measured yet. has(rows) is true
-    once a bucket holds `min_samples` timings.
+    The host's speed drifts (a shared machine: 20-50% within minutes here), and a bucket that is
+    seldom run keeps the speed of the minutes it was timed in: a 2-row verification timed early
+    at 1.47x the 1-row step that later runs faster, where back-to-back timings give 1.30x, kept
+    `auto` from speculating where k = 1 and 2 paid 1.07x and 1.10x (1.5B native target,
+    HumanEval, 2026-12-06). So the table is a shape times a speed: every timing in a bucket with
+    `min_samples` timings says how fast the host runs now (its seconds over the bucket's point),
+    `speed` is the median of the last `speed_window` such ratios, and a bucket's points are kept
+    in seconds at speed 1. Choices compare ratios of estimates, which the speed leaves alone.
+
+    estimate(rows) interpolates linearly between the points (times `speed`), is flat below the
+    smallest and proportional to rows above the largest; None when nothing is measured yet.
+    has(rows) is true once a bucket holds `min_samples` timings.
     """
 
-    def __init__(self, window: int = 15, keep: int = 256, min_samples: int = 3):
+    def __init__(self, window: int = 15, keep: int = 256, min_samples: int = 3, speed_window: int = 9):
         self.window = window
         self.min_samples = min_samples
         self.keep = keep
-        self.buckets: dict[int, tuple[float, float]] = {}  # bucket -> (rows, seconds)
-        self.samples: dict[int, list[tuple[int, float]]] = {}  # last `keep` raw (rows, seconds) per bucket
+        self.buckets: dict[int, tuple[float, float]] = {}  # bucket -> (rows, seconds at speed 1)
+        # last `keep` (rows, seconds, seconds at speed 1) per bucket
+        self.samples: dict[int, list[tuple[int, float, float]]] = {}
+        self.speed = 1.0  # the host's speed now against the points (seconds / seconds at speed 1)
+        self._speeds: collections.deque = collections.deque(maxlen=speed_window)
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -44,23 +56,34 @@ class StepCostTable:
         if rows < 1 or not (0 <= seconds < math.inf):
             return  # no forward, or a clock glitch: nothing to learn a cost from (0 is real: prompt lookup)
         b = self.bucket(rows)
+        if self.has(rows) and seconds > 0:
+            at_one = self._shape(rows)
+            if at_one:
+                self._speeds.append(seconds / at_one)
+                ss = sorted(self._speeds)
+                self.speed = ss[len(ss) // 2]
         xs = self.samples.setdefault(b, [])
-        xs.append((rows, seconds))
+        xs.append((rows, seconds, seconds / self.speed))
         del xs[:-self.keep]
         recent = xs[-self.window:]
-        r = sorted(x for x, _ in recent)
-        t = sorted(y for _, y in recent)
+        r = sorted(x[0] for x in recent)
+        t = sorted(x[2] for x in recent)
         self.buckets[b] = (float(r[len(r) // 2]), t[len(t) // 2])
 
     def median(self, rows: int) -> float | None:
         """Median of the raw timings in `rows`' bucket (robust to a noisy neighbour; for reports)."""
-        xs = sorted(y for _, y in self.samples.get(self.bucket(rows), []))
+        xs = sorted(x[1] for x in self.samples.get(self.bucket(rows), []))
         return xs[len(xs) // 2] if xs else None
 
     def has(self, rows: int) -> bool:
         return len(self.samples.get(self.bucket(rows), ())) >= self.min_samples
 
     def estimate(self, rows: int) -> float | None:
+        at_one = self._shape(rows)
+        return None if at_one is None else at_one * self.speed
+
+    def _shape(self, rows: int) -> float | None:
+        """Seconds at speed 1 for `rows` rows (estimate's rule without the speed)."""
         if not self.buckets:
             return None
         pts = sorted(self.buckets.values())
@@ -103,6 +126,7 @@ class SpecController:
         self._acc = 0.0
         self._ev = 0.0
         self._auto_steps = 0
+        self._refresh_due = False
         # acceptance by draft position (decayed counts): later positions are accepted less often
         # than the first (measured on ShareGPT at T=1: α 0.77 with k=1, 0.70 with k=4), so a
         # single α overrates large k
@@ -137,23 +161,46 @@ class SpecController:
     def alpha_global(self) -> float:
         return (self._acc + 1.0) / (self._ev + 2.0)
 
-    def alpha_for(self, accepted: int, evaluated: int, weight: float = 4.0) -> float:
-        """A request's smoothed α: its own counts plus `weight` pseudo-positions at the engine-wide α."""
-        return (accepted + weight * self.alpha_global) / (evaluated + weight)
+    # draft positions (decayed counts) after which the engine-wide α is trusted as it is
+    TRUST_POSITIONS = 8
+
+    @property
+    def alpha_prior(self) -> float:
+        """The engine-wide α, until TRUST_POSITIONS positions are seen one standard deviation up
+        (its Beta posterior's): optimism while little is known. Only speculation measures α, so a
+        pessimistic early estimate would stop it for good: after 3 accepted proposals of 3 the mean is
+        0.8, where k = 1 loses, though the draft's α on HumanEval is 0.93, where k = 1 and 2 pay 12%
+        and 14% (1.5B native target, 2026-12-06). Kept for good, the optimism (~0.045 at the decay's
+        ~100-position horizon) held k = 1 on at temperature 1 (α 0.76 against a break-even 0.78) for
+        82 of 437 steps, 6% below plain; kept for 32 positions, ~45 steps of a ShareGPT run's first
+        request; 8 is where benchmarks/spec_speed.py's auto came closest to the best fixed k on both
+        (HumanEval 0.99x, ShareGPT at temperature 1 0.94x plain)."""
+        a, n = self.alpha_global, self._ev + 2.0
+        if self._ev >= self.TRUST_POSITIONS:
+            return a
+        return min(0.999, a + math.sqrt(a * (1.0 - a) / (n + 1.0)))
+
+    def alpha_for(self, accepted: int, evaluated: int, weight: float = 16.0) -> float:
+        """A request's smoothed α: its own counts plus `weight` pseudo-positions at `alpha_prior`
+        (with 4, one rejected first proposal dropped a request to k = 0 for good: 147 of 330 steps
+        plain on HumanEval, where k = 1 and 2 paid)."""
+        return (accepted + weight * self.alpha_prior) / (evaluated + weight)
 
     def c(self, rows: int = 1) -> float | None:
         """Measured draft step time / target step time at `rows` rows."""
         d, t = self.draft.estimate(rows), self.target.estimate(rows)
         return d / t if d is not None and t else None
 
-    def choose(self, alphas: list[float], prefill_tokens: int) -> int:
-        """k for a step with one decode row per entry of `alphas` (each its smoothed α)."""
+    def choose(self, alphas: list[float], prefill_tokens: int, lag: int = 0) -> int:
+        """k for a step with one decode row per entry of `alphas` (each its smoothed α); `lag`: the
+        tokens the draft has not seen yet over those rows (after plain steps), which a speculative
+        step's first draft forward must run first."""
         if self.mode == "off" or not alphas or self.k_max == 0:
             k = 0
         elif self.mode == "fixed":
             k = self.k_max
         else:
-            k = self._best(alphas, prefill_tokens)
+            k = self._best(alphas, prefill_tokens, max(0, lag))
         self.history[k] += 1
         return k
 
@@ -161,20 +208,39 @@ class SpecController:
     # under other conditions (another batch size, a busy host) are refreshed
     REFRESH_EVERY = 50
 
-    def _best(self, alphas: list[float], prefill_tokens: int) -> int:
+    def _best(self, alphas: list[float], prefill_tokens: int, lag: int = 0) -> int:
         b = len(alphas)
-        # Explore: a candidate with too few timings is tried (min_samples times in all).
-        for k in range(self.k_max, -1, -1):
-            if not self.target.has(b * (k + 1) + prefill_tokens) or (k and not self.draft.has(b)):
-                return k
-        best_k, best_rate = 0, -1.0
+
+        def measured(k: int) -> bool:
+            return self.target.has(b * (k + 1) + prefill_tokens) and (k == 0 or self.draft.has(b))
+
+        # Explore upwards: plain first (it costs nothing to time), then k + 1 only while every k up
+        # to the best so far was measured and k paid. A larger k pays only where k did, as long as
+        # each verified row costs at least what the row before it did; so at temperature 1, where
+        # speculation loses, only k = 1 is ever tried (largest-first exploration spent ~2% of a
+        # 4 x 128-token ShareGPT run on k = 4 and 3 steps, and `auto` fell below plain).
+        if not measured(0):
+            return 0
         factors = self.position_factors()
+        best_k, best_rate = 0, -1.0
         for k in range(self.k_max + 1):
-            cost = self.target.estimate(b * (k + 1) + prefill_tokens) + k * self.draft.estimate(b)
+            if not measured(k):
+                if k == best_k + 1:
+                    return k
+                continue
+            cost = self.target.estimate(b * (k + 1) + prefill_tokens)
+            if k:  # the first draft forward catches up on the lag (its cost by rows, as measured)
+                cost += self.draft.estimate(b + lag) + (k - 1) * self.draft.estimate(b)
             rate = sum(self.expected(a, k, factors) for a in alphas) / max(cost, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self._auto_steps += 1
         if self._auto_steps % self.REFRESH_EVERY == 0:
+            self._refresh_due = True
+        # the refresh waits for a step whose draft is in step (a new request's first decode): from
+        # plain decoding its first forward would catch up on every token since, ~62 ms for 50 tokens
+        # of the 0.5B draft, 2.3 target steps every 50 (auto 0.90x plain at temperature 1)
+        if self._refresh_due and (best_k > 0 or lag <= b):
+            self._refresh_due = False
             return best_k + 1 if best_k < self.k_max else best_k - 1
         return best_k

@@ -53,6 +53,15 @@ class DraftModelProposer:
         self.computed: dict[int, int] = {}
         self.num_forwards = 0
         self.step_time: float | None = None  # seconds of one plain draft step, last round
+        # (rows, seconds) of each draft forward of the last propose(): the first also catches up on
+        # the tokens the draft has not seen, so its rows are more than one per sequence
+        self.forwards: list[tuple[int, float]] = []
+
+    def lag(self, seq: Sequence) -> int:
+        """Tokens of `seq` (all but its last, which every proposal feeds) not yet in the draft cache:
+        the rows a proposal's first forward adds to catch up (after plain steps, a whole run of them)."""
+        c = self.computed.get(seq.seq_id)
+        return 0 if c is None else max(0, seq.num_tokens - 1 - c)
 
     def _start(self, seq: Sequence) -> int:
         """Tokens of `seq` in the draft cache; on first sight, the draft's own prefix-cache hit
@@ -95,6 +104,7 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         times = []
+        self.forwards = []
         for step in range(k):
             t0 = time.perf_counter()
             active = [i for i, ki in enumerate(ks) if ki > step]
@@ -127,9 +137,13 @@ class DraftModelProposer:
                 drafts[i].append(t)
                 self.computed[s.seq_id] = s.num_tokens + len(drafts[i]) - 1
             times.append(time.perf_counter() - t0)
+            self.forwards.append((sum(it.end - it.start for it in items), times[-1]))
+            if step == 0:
+                first_plain = len(items) == self.forwards[0][0]
         # The first forward also catches up on unseen tokens and prefill chunks; a later one is
-        # the plain one-token step that the cost model wants, when there is one.
-        self.step_time = min(times[1:]) if len(times) > 1 else (times[0] if not extra_items else None)
+        # the plain one-token step, and so is a first one of one row per sequence.
+        plain = times[1:] + (times[:1] if first_plain else [])
+        self.step_time = min(plain) if plain else None
         return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
 
     def rollback(self, seq: Sequence, valid_tokens: int) -> None:
@@ -154,6 +168,11 @@ class NgramProposer:
         self.max_n, self.min_n = max_n, min_n
         self.num_forwards = 0
         self.step_time = 0.0  # no model: proposing is free next to a forward pass
+        self.forwards: list[tuple[int, float]] = []
+
+    def lag(self, seq: Sequence) -> int:
+        """Prompt lookup reads the tokens as they are: it never lags."""
+        return 0
 
     def prefill(self, chunks) -> list[BatchItem]:
         return []

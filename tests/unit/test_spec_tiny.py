@@ -141,7 +141,7 @@ def test_vocab_mismatch_refused(tmp_path, pair):
 def _scripted_k(llm, ks):
     """Make the engine use k = next(ks) at each step instead of the controller's choice."""
     it = iter(ks)
-    llm.engine.controller.choose = lambda alphas, prefill_tokens: next(it)
+    llm.engine.controller.choose = lambda alphas, prefill_tokens, lag=0: next(it)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -173,3 +173,26 @@ def test_seeded_text_does_not_depend_on_k(pair, proposer):
     _scripted_k(spec, itertools.repeat(3))
     assert [o.token_ids for o in spec.generate(ps, other)] != ref
     assert all(o.token_ids != r for o, r in zip(plain.generate(ps, other), ref))
+
+
+def test_the_draft_lag_reaches_the_controller_and_a_catch_up_is_timed_by_its_rows(pair):
+    """After plain steps the draft has not seen the tokens since: the controller is told how many
+    (it charges their catch-up to the next speculative step), the catch-up forward is recorded at
+    its row count, and it is not taken for the draft's one-row step."""
+    target, draft = pair
+    spec = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False, speculation="auto",
+               draft_model=draft, num_speculative_tokens=2)
+    eng = spec.engine
+    lags, script = [], iter([0] * 6 + [1] + [0] * 100)
+
+    def choose(alphas, prefill_tokens, lag=0):
+        if alphas:
+            lags.append(lag)
+        return next(script) if alphas else 0
+    eng.controller.choose = choose
+    spec.generate([[5, 6, 7, 8] * 4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert lags[:7] == [0, 1, 2, 3, 4, 5, 6]  # one more each plain step
+    assert lags[7] in (0, 1)  # in step after speculating (the bonus token aside)
+    assert eng.proposer.forwards[0][0] == 6 + 1  # the k = 1 step's forward: 6 tokens caught up + 1
+    assert eng.proposer.step_time is None  # that forward is no one-row step
+    assert eng.controller.draft.has(7) is False and eng.controller.draft.estimate(7) is not None
