@@ -612,7 +612,7 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
     kind = "gguf" if resolved.kind == "gguf" else ("awq" if is_awq_folder(str(resolved.path)) else "hf")
     quality = a.quality_records
     fmts, why = available_formats(sm, kind, gguf, group_size=128, quality=quality, floor=a.max_ppl_increase)
-    notes = []
+    notes = [f"hw probe: {w}" for w in hw.get("warnings") or []]
     drafter = None
     if spec is not None:
         c = spec["draft_cost"]

@@ -41,6 +41,37 @@ DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
 DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
 PROFILE_VERSION = 1
+
+# the packages whose code sets the engine's speed: a profile timed with other code in them is stale
+ENGINE_PACKAGES = ("engine", "kv", "layers", "models", "spec_decode", "structured_output")
+
+
+def engine_fingerprint() -> str:
+    """12 hex digits of sha256 over the source of ENGINE_PACKAGES (every .py, by relative path) and
+    torch's version: what a `hw probe` profile's timings depend on besides the machine. ~5 ms."""
+    import hashlib
+
+    import mixserve
+
+    root = Path(mixserve.__file__).parent
+    h = hashlib.sha256(torch.__version__.encode())
+    for pkg in ENGINE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def stale_warning(prof: dict) -> str | None:
+    """A warning when `prof` was timed on other engine code than this process runs (or says not)."""
+    theirs, mine = prof.get("engine_fingerprint"), engine_fingerprint()
+    if theirs == mine:
+        return None
+    what = f"code whose fingerprint was {theirs}" if theirs else "code from before profiles named it"
+    return (f"the profile was timed on engine {what}, this mixserve's is {mine}: the engine's speed may have "
+            "changed since (a stale profile predicted the int4 decode step at 40 ms where the engine took 58, and "
+            "the native default's capacity at half what it was: BENCHMARKS.md, 2026-12-06); run `mixserve hw probe` "
+            "again")
 OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
 
@@ -577,6 +608,7 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
         "dtype": str(dtype).replace("torch.", ""),
         "int4_group_size": 128,
         "machine": {**machine_info(), "device": where if gpu else "cpu"},
+        "engine_fingerprint": engine_fingerprint(),
         "bandwidth_bytes_per_s": bw,
         "linear": probe_linears(cfg, rows, list(formats), dtype, repeats, log=log, chooser=chooser,
                                 gguf_path=r.path if r.kind == "gguf" else None, device=dev),
@@ -723,4 +755,5 @@ def load_step_model(hardware: str, cfg: ModelConfig | None = None,
     return sm, {"kind": "measured", "label": "measured here", "model": prof.get("model"),
                 "machine": prof.get("machine"), "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s"),
                 # profiles from before the probe kept its warnings are checked here
-                "warnings": list(prof.get("warnings") or consistency_warnings(prof))}
+                "warnings": list(prof.get("warnings") or consistency_warnings(prof))
+                + [w for w in (stale_warning(prof),) if w]}

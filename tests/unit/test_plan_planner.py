@@ -25,8 +25,10 @@ def fake_profile(cfg=CFG):
         lin[fmt] = {s.name: {"rows": [1, 16, 64], "seconds": [1e-3 * f, 1e-3 * f, 4e-3],
                              "out_features": s.out_features, "in_features": s.in_features}
                     for s in linear_shapes(cfg)}
+    from mixserve.plan.hardware import engine_fingerprint
+
     return {"kind": "measured", "model": "fake", "config": cfg.as_dict(), "linear": lin,
-            "bandwidth_bytes_per_s": 20e9,
+            "bandwidth_bytes_per_s": 20e9, "engine_fingerprint": engine_fingerprint(),  # timed "on this code"
             "attention": {"decode": {"fit": [10e-6, 0.0, 1e-9]}, "span": {"fit": [10e-6, 0.0, 1e-9]}},
             "overhead": {"fit": [2e-3, 1e-4, 0.0]}}
 

@@ -192,7 +192,9 @@ def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables
     # attention timed as the invariant engine runs it: every row, prefill ones too, on the paged kernel
     assert prof["attention"]["invariant"] is True and prof["attention"]["decode"]["kernel"].startswith("paged")
     assert {p["seqs"] for p in prof["overhead"]["points"]} >= {1, 64}
-    from mixserve.plan.hardware import overhead_engine
+    from mixserve.plan.hardware import engine_fingerprint, overhead_engine
+
+    assert prof["engine_fingerprint"] == engine_fingerprint()  # what the timings hold for
 
     eng = overhead_engine(str(path), torch.float32, gguf_weights="dequantize", context=256)
     assert engine_format(eng.model, str(path)).name == "bf16"
@@ -221,3 +223,30 @@ def test_break_it_findings():
     c = commands(Config(weights="int4-awq"), CommandContext(model="/data/my model", trace="t.jsonl"), None)
     out = shlex.split(c["prepare"][0])[-1]
     assert out == "awq-data_my_model" and shlex.split(c["serve"])[shlex.split(c["serve"]).index("--model") + 1] == out
+
+
+def test_a_profile_timed_on_other_engine_code_is_said_stale(tiny, tmp_path, capsys):
+    """A profile's timings hold for the engine code that was timed: one from other code (or from before
+    profiles named theirs) gets a note in --suggest's answer that says to probe again; one from this
+    code gets none."""
+    from mixserve.models.config import ModelConfig
+    from mixserve.plan.hardware import engine_fingerprint, load_step_model
+
+    cfg = ModelConfig.from_folder(tiny)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_tokens": 20 + 3 * i, "max_tokens": 6}) + "\n" for i in range(6)))
+    notes = {}
+    for name, fp in (("old", None), ("other", "0123456789ab"), ("this", engine_fingerprint())):
+        prof = tmp_path / f"{name}.json"
+        doc = {**profile(0.5, cfg), "dtype": "float32", "engine_fingerprint": fp}
+        if fp is None:
+            del doc["engine_fingerprint"]
+        prof.write_text(json.dumps(doc))
+        rc = main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
+                   "--kv-cache-memory", "16MiB"])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        notes[name] = [n for n in json.loads(out.out)["notes"] if "hw probe again" in n or "`mixserve hw probe`" in n]
+        _, hw = load_step_model(str(prof), cfg)
+        assert bool(notes[name]) == (name != "this") == any("may have changed" in w for w in hw["warnings"])
+    assert "0123456789ab" in notes["other"][0] and engine_fingerprint() in notes["other"][0]
