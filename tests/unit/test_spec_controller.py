@@ -30,6 +30,17 @@ def flat_costs(c, k_max=4):
     return ctl
 
 
+def timed(k_max, target, draft):
+    """An auto controller with its step costs timed (3 times each): target {rows: seconds}, a draft
+    step of `draft` seconds."""
+    ctl = SpecController("auto", k_max)
+    for _ in range(3):
+        for rows, seconds in target.items():
+            ctl.target.record(rows, seconds)
+        ctl.draft.record(1, draft)
+    return ctl
+
+
 def test_auto_speculates_when_it_pays_and_stops_when_not():
     ctl = flat_costs(c=0.3)
     assert ctl.choose([0.9], 0) == 4  # E(4)/(1+1.2) = 1.86 beats plain
@@ -50,11 +61,7 @@ def test_auto_explores_upwards_and_only_while_speculation_pays():
         ctl.draft.record(1, 0.3)
     assert ctl.choose([0.5], 0) == 2  # k = 1 paid (1.5 tokens for 1.3): k = 2 is tried
     # at temperature 1 on a CPU: k = 1 loses, so k = 2 .. 3 are never tried (each costs more)
-    lose = SpecController("auto", 3)
-    for _ in range(3):
-        lose.target.record(1, 1.0)
-        lose.target.record(2, 1.3)
-        lose.draft.record(1, 0.5)
+    lose = timed(3, {1: 1.0, 2: 1.3}, 0.5)
     assert [lose.choose([0.7], 0) for _ in range(20)] == [0] * 20
 
 
@@ -77,11 +84,7 @@ def test_one_early_rejection_does_not_stop_a_request_speculating():
     # the engine-wide alpha is 0.93 and k = 1 pays 7%; a request whose first proposal was rejected
     # kept speculating (with weight 4 its alpha fell to 0.74, k = 0 was chosen, and with no more
     # proposals its alpha never recovered: 147 of 330 steps plain on HumanEval, 2026-12-06)
-    ctl = SpecController("auto", 1)
-    for _ in range(3):
-        ctl.target.record(1, 1.0)
-        ctl.target.record(2, 1.3)
-        ctl.draft.record(1, 0.5)
+    ctl = timed(1, {1: 1.0, 2: 1.3}, 0.5)
     for _ in range(200):
         ctl.observe(1, 1) if _ % 14 else ctl.observe(0, 1)
     assert 0.9 < ctl.alpha_global < 0.95
@@ -183,12 +186,7 @@ def test_free_proposer_ends_exploration_and_batch_compute_bound_picks_k0():
 def test_catching_up_a_long_lag_is_charged_to_the_step_that_does_it():
     # after plain steps the draft has not seen the tokens since: the next speculative step's first
     # draft forward runs them all. Until such a forward is timed, its cost is the 1-row step's per row
-    ctl = SpecController("auto", 2)
-    for _ in range(3):
-        ctl.target.record(1, 1.0)
-        ctl.target.record(2, 1.2)
-        ctl.target.record(3, 1.4)
-        ctl.draft.record(1, 0.2)
+    ctl = timed(2, {1: 1.0, 2: 1.2, 3: 1.4}, 0.2)
     a = 0.9
     assert ctl.choose([a], 0, lag=0) == 2
     assert ctl.choose([a], 0, lag=40) == 0  # 41 draft rows at 0.2 s each: plain is cheaper
@@ -198,11 +196,7 @@ def test_catching_up_a_long_lag_is_charged_to_the_step_that_does_it():
 
 
 def test_a_due_refresh_waits_for_a_draft_in_step():
-    ctl = SpecController("auto", 1)
-    for _ in range(3):
-        ctl.target.record(1, 1.0)
-        ctl.target.record(2, 1.3)
-        ctl.draft.record(1, 0.6)  # k = 1 never pays: plain all along
+    ctl = timed(1, {1: 1.0, 2: 1.3}, 0.6)  # k = 1 never pays: plain all along
     for _ in range(200):
         ctl.observe(0, 1)
     ks = [ctl.choose([0.3], 0, lag=5 + i) for i in range(ctl.REFRESH_EVERY * 2)]
