@@ -218,7 +218,8 @@ class LLMEngine:
                 r.graph_choice = "eager (--kernels eager)"
         self.kernel_choice_s += time.perf_counter() - t1
         startup.mark("decode graph")
-        self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens)
+        self.controller = SpecController(args.speculation if self.proposer else "off", args.num_speculative_tokens,
+                                         max_rows=args.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self.num_errored = 0  # requests ended by non-finite logits in their row (_drop_poisoned)
         self.logits_hook = None  # tests: called as hook(logits, rows) after each forward, before sampling

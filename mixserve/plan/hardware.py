@@ -42,23 +42,27 @@ DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
 DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
 PROFILE_VERSION = 1
 
-# the packages whose code sets the engine's speed: a profile timed with other code in them is stale
-ENGINE_PACKAGES = ("engine", "kv", "layers", "models", "spec_decode", "structured_output")
+# mixserve's code that does not run in the engine: a profile stays good across changes to it. Everything
+# else (the engine, its layers and kernels, quant/, the KV cache, host_memory.py, ...) sets its speed
+NOT_ENGINE = ("bench", "data", "plan", "replicas", "server", "cli.py")
 
 
 def engine_fingerprint() -> str:
-    """12 hex digits of sha256 over the source of ENGINE_PACKAGES (every .py, by relative path) and
-    torch's version: what a `hw probe` profile's timings depend on besides the machine. ~5 ms."""
+    """12 hex digits of sha256 over mixserve's source but NOT_ENGINE (every .py, by relative path) and
+    torch's version: what a `hw probe` profile's timings depend on besides the machine. Conservative: any
+    edit counts, a comment too. ~5 ms."""
     import hashlib
 
     import mixserve
 
     root = Path(mixserve.__file__).parent
     h = hashlib.sha256(torch.__version__.encode())
-    for pkg in ENGINE_PACKAGES:
-        for f in sorted((root / pkg).rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if rel.parts[0] in NOT_ENGINE:
+            continue
+        h.update(str(rel).encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -67,7 +71,8 @@ def stale_warning(prof: dict) -> str | None:
     theirs, mine = prof.get("engine_fingerprint"), engine_fingerprint()
     if theirs == mine:
         return None
-    what = f"code whose fingerprint was {theirs}" if theirs else "code from before profiles named it"
+    what = (f"code whose fingerprint was {theirs}" if theirs is not None
+            else "code from before profiles named it")
     return (f"the profile was timed on engine {what}, this mixserve's is {mine}: the engine's speed may have "
             "changed since (a stale profile predicted the int4 decode step at 40 ms where the engine took 58, and "
             "the native default's capacity at half what it was: BENCHMARKS.md, 2026-12-06); run `mixserve hw probe` "
@@ -595,6 +600,13 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     from mixserve.layers.kernel_choice import KernelChooser, amx_permitted, cap_threads
 
     cap_threads()
+    if not gpu:
+        # malloc as the engine sets it (LLMEngine): without it every big activation of a many-row call
+        # faulted fresh pages in, and the 1024-3000-row tables predicted a prefill 25-43% slower than the
+        # engine ran it (benchmarks/prefill_chunks.py, 2026-12-06)
+        from mixserve.host_memory import keep_freed_heap
+
+        keep_freed_heap()
     amx = amx_permitted() and not gpu
     chooser = KernelChooser(timing="measure", budget_s=math.inf)
     t0 = time.perf_counter()
@@ -754,6 +766,14 @@ def load_step_model(hardware: str, cfg: ModelConfig | None = None,
                          f"({type(e).__name__}: {e})") from None
     return sm, {"kind": "measured", "label": "measured here", "model": prof.get("model"),
                 "machine": prof.get("machine"), "bandwidth_bytes_per_s": prof.get("bandwidth_bytes_per_s"),
-                # profiles from before the probe kept its warnings are checked here
-                "warnings": list(prof.get("warnings") or consistency_warnings(prof))
-                + [w for w in (stale_warning(prof),) if w]}
+                "warnings": _profile_warnings(prof) + [w for w in (stale_warning(prof),) if w]}
+
+
+def _profile_warnings(prof: dict) -> list[str]:
+    """The probe's own warnings (a list of strings); profiles from before the probe kept them are checked."""
+    ws = prof.get("warnings")
+    if ws is None:
+        return list(consistency_warnings(prof))
+    if isinstance(ws, str):  # a hand-edited profile: one warning, not its characters
+        return [ws]
+    return [str(w) for w in ws] if isinstance(ws, list) else [str(ws)]

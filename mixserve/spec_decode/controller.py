@@ -109,15 +109,19 @@ class SpecController:
 
     mode: "off" (always 0), "fixed" (always k_max), "auto" (maximize expected tokens per second).
     k_max: the largest k considered (--num-speculative-tokens).
+    max_rows: the most rows a step may run (--max-num-batched-tokens), or None: auto never picks a k
+    whose verification rows exceed it (the scheduler would run fewer sequences, and a bucket it
+    never fills would be explored forever).
     """
 
-    def __init__(self, mode: str, k_max: int):
+    def __init__(self, mode: str, k_max: int, max_rows: int | None = None):
         if mode not in ("auto", "fixed", "off"):
             raise ValueError(f"speculation: must be auto, fixed or off (got {mode!r})")
         if k_max < 0:
             raise ValueError(f"num_speculative_tokens: must be >= 0 (got {k_max})")
         self.mode = mode
         self.k_max = k_max
+        self.max_rows = max_rows
         self.target = StepCostTable()
         self.draft = StepCostTable()
         self.history: collections.Counter = collections.Counter()  # k -> steps: bounded, unlike a list
@@ -126,7 +130,7 @@ class SpecController:
         self._acc = 0.0
         self._ev = 0.0
         self._auto_steps = 0
-        self._refresh_due = False
+        self._refresh_due = 0  # the auto step a refresh fell due at (0: none due)
         # acceptance by draft position (decayed counts): later positions are accepted less often
         # than the first (measured on ShareGPT at T=1: α 0.77 with k=1, 0.70 with k=4), so a
         # single α overrates large k
@@ -211,8 +215,14 @@ class SpecController:
     def _best(self, alphas: list[float], prefill_tokens: int, lag: int = 0) -> int:
         b = len(alphas)
 
+        if self.max_rows is not None:  # the chunk that runs beside the decode rows, not all that waits
+            prefill_tokens = min(prefill_tokens, max(0, self.max_rows - b))
+
         def measured(k: int) -> bool:
             return self.target.has(b * (k + 1) + prefill_tokens) and (k == 0 or self.draft.has(b))
+
+        def fits(k: int) -> bool:
+            return self.max_rows is None or k == 0 or b * (k + 1) + prefill_tokens <= self.max_rows
 
         # Explore upwards: plain first (it costs nothing to time), then k + 1 only while every k up
         # to the best so far was measured and k paid. A larger k pays only where k did, as long as
@@ -224,23 +234,42 @@ class SpecController:
         factors = self.position_factors()
         best_k, best_rate = 0, -1.0
         for k in range(self.k_max + 1):
+            if not fits(k):
+                break
             if not measured(k):
                 if k == best_k + 1:
                     return k
                 continue
             cost = self.target.estimate(b * (k + 1) + prefill_tokens)
-            if k:  # the first draft forward catches up on the lag (its cost by rows, as measured)
-                cost += self.draft.estimate(b + lag) + (k - 1) * self.draft.estimate(b)
+            if k:  # the first draft forward catches up on the lag
+                cost += self._draft_cost(b + lag) + (k - 1) * self.draft.estimate(b)
             rate = sum(self.expected(a, k, factors) for a in alphas) / max(cost, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self._auto_steps += 1
-        if self._auto_steps % self.REFRESH_EVERY == 0:
-            self._refresh_due = True
+        if self._auto_steps % self.REFRESH_EVERY == 0 and not self._refresh_due:
+            self._refresh_due = self._auto_steps
         # the refresh waits for a step whose draft is in step (a new request's first decode): from
         # plain decoding its first forward would catch up on every token since, ~62 ms for 50 tokens
-        # of the 0.5B draft, 2.3 target steps every 50 (auto 0.90x plain at temperature 1)
-        if self._refresh_due and (best_k > 0 or lag <= b):
-            self._refresh_due = False
+        # of the 0.5B draft, 2.3 target steps every 50 (auto 0.90x plain at temperature 1); but not
+        # past another REFRESH_EVERY steps (overlapping requests are seldom all in step at once)
+        waited = self._auto_steps - self._refresh_due if self._refresh_due else 0
+        if self._refresh_due and (best_k > 0 or lag <= b or waited >= self.REFRESH_EVERY) \
+                and fits(best_k + 1 if best_k < self.k_max else best_k - 1):
+            self._refresh_due = 0
             return best_k + 1 if best_k < self.k_max else best_k - 1
         return best_k
+
+    def _draft_cost(self, rows: int) -> float:
+        """Seconds of a draft forward over `rows` rows: measured where the draft has been timed at as
+        many rows or more; past its largest timed point, that point's cost grown as the target's own row
+        curve grows (a forward of many rows costs far less than as many one-row steps: the draft's table
+        alone would extrapolate in proportion, 256 ms for a 401-row catch-up of a 3 ms draft step)."""
+        pts = sorted(self.draft.buckets.values())
+        top = pts[-1][0] if pts else 0
+        if rows <= top:
+            return self.draft.estimate(rows)
+        t_rows, t_top = self.target.estimate(rows), self.target.estimate(max(1, int(top)))
+        if t_rows is None or not t_top:
+            return self.draft.estimate(rows)
+        return self.draft.estimate(int(top)) * t_rows / t_top

@@ -250,3 +250,27 @@ def test_a_profile_timed_on_other_engine_code_is_said_stale(tiny, tmp_path, caps
         _, hw = load_step_model(str(prof), cfg)
         assert bool(notes[name]) == (name != "this") == any("may have changed" in w for w in hw["warnings"])
     assert "0123456789ab" in notes["other"][0] and engine_fingerprint() in notes["other"][0]
+
+
+def test_the_engine_fingerprint_follows_the_engines_code_only(tmp_path, monkeypatch):
+    """Any module the engine runs counts (quant/, host_memory.py, not only engine/ and layers/); the
+    server, the benchmarks and the planner do not; a hand-edited profile's string of warnings stays one."""
+    import shutil
+    from pathlib import Path
+
+    import mixserve
+    from mixserve.plan.hardware import _profile_warnings, engine_fingerprint
+
+    src = tmp_path / "mixserve"  # a copy of the package to edit
+    shutil.copytree(Path(mixserve.__file__).parent, src, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(mixserve, "__file__", str(src / "__init__.py"))
+    base = engine_fingerprint()
+    for rel, changes in (("server/api.py", False), ("plan/planner.py", False), ("quant/loading.py", True),
+                         ("host_memory.py", True), ("layers/linear.py", True)):
+        f = src / rel
+        old = f.read_bytes()
+        f.write_bytes(old + b"\n# edited\n")
+        assert (engine_fingerprint() != base) == changes, rel
+        f.write_bytes(old)
+    assert engine_fingerprint() == base
+    assert _profile_warnings({"warnings": "disturbed probe"}) == ["disturbed probe"]

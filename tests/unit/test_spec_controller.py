@@ -199,7 +199,36 @@ def test_a_due_refresh_waits_for_a_draft_in_step():
     ctl = timed(1, {1: 1.0, 2: 1.3}, 0.6)  # k = 1 never pays: plain all along
     for _ in range(200):
         ctl.observe(0, 1)
-    ks = [ctl.choose([0.3], 0, lag=5 + i) for i in range(ctl.REFRESH_EVERY * 2)]
-    assert set(ks) == {0}  # due twice, but every step's draft lagged
+    ks = [ctl.choose([0.3], 0, lag=5 + i) for i in range(ctl.REFRESH_EVERY * 2 - 1)]
+    assert set(ks) == {0}  # due since step 50, but every step's draft lagged
     assert ctl.choose([0.3], 0, lag=0) == 1  # a new request (the draft in step): the refresh now
     assert ctl.choose([0.3], 0, lag=0) == 0
+
+
+def test_a_k_the_token_budget_cannot_run_is_never_explored():
+    # 6 decode rows and 8 tokens a step: k = 1 needs 12 rows, which the scheduler never runs; auto
+    # kept choosing it to "explore" a bucket that never filled (116 steps where plain took 65)
+    ctl = SpecController("auto", 3, max_rows=8)
+    for _ in range(3):
+        ctl.target.record(6, 1.0)
+    assert [ctl.choose([0.9] * 6, 0) for _ in range(120)] == [0] * 120
+    # the prefill that rides along is the chunk the budget leaves, not all that waits
+    big = SpecController("auto", 1, max_rows=64)
+    for _ in range(3):
+        big.target.record(64, 2.0)
+    assert big.choose([0.9], 5000) == 0  # 1 decode row + 63 prefill tokens: measured; k = 1 does not fit
+
+
+def test_a_refresh_is_not_put_off_for_ever():
+    ctl = timed(1, {1: 1.0, 2: 1.3}, 0.6)  # k = 1 never pays
+    for _ in range(200):
+        ctl.observe(0, 1)
+    ks = [ctl.choose([0.3], 0, lag=300) for _ in range(ctl.REFRESH_EVERY * 3)]
+    assert ks.count(1) == 1 and ks.index(1) == 2 * ctl.REFRESH_EVERY - 1  # due at 50, taken 50 steps later
+
+
+def test_a_catch_up_past_the_drafts_timed_rows_grows_as_the_targets_row_curve():
+    ctl = timed(1, {1: 1.0, 100: 4.0}, 0.3)
+    # the target's 100-row step costs 4x its 1-row step, so the draft's is put at 4 x 0.3, not 100 x 0.3
+    assert ctl._draft_cost(100) == pytest.approx(1.2)
+    assert ctl._draft_cost(1) == pytest.approx(0.3)
