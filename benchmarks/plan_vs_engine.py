@@ -71,6 +71,7 @@ def main() -> int:
     from mixserve.models.config import ModelConfig
     from mixserve.models.weights import convert_gguf
     from mixserve.models.registry import resolve_model
+    from mixserve.plan.cost_model import default_format
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.planner import PlanSettings, Planner, Variant, trace_requests
 
@@ -110,7 +111,7 @@ def main() -> int:
     for name, ds, num, kv in configs:
         reqs = trace_requests(ds, a.model, num, 0, a.output_len_cap, 1024)
         ps = PlanSettings(kv_bytes=parse_bytes(kv), max_model_len=a.max_model_len, slo={})
-        res = Planner(cfg, sm, hw, reqs, ps).run(Variant("baseline"))
+        res = Planner(cfg, sm, hw, reqs, ps).run(Variant("baseline", fmt=default_format(r)))  # the engine's default
         rep = res.report
         tpots = {}
         for q, m in zip(reqs, res.metrics):

@@ -58,6 +58,7 @@ def main() -> int:
                     help="multi-turn: at most this many conversations in flight (default: all at once)")
     ap.add_argument("--traces", default="multi-turn,shared system prompt,single-turn sharegpt",
                     help="comma-separated subset of the three traces")
+    ap.add_argument("--predict-only", action="store_true", help="write the predictions and stop")
     a = ap.parse_args()
 
     from mixserve.bench.offline import run_offline
@@ -68,6 +69,7 @@ def main() -> int:
     from mixserve.models.config import ModelConfig
     from mixserve.models.registry import resolve_model
     from mixserve.models.weights import convert_gguf, load_tokenizer
+    from mixserve.plan.cost_model import default_format
     from mixserve.plan.hardware import load_step_model
     from mixserve.plan.planner import PlanSettings, Planner, Variant, sim_requests
 
@@ -103,6 +105,7 @@ def main() -> int:
     r = resolve_model(a.model)
     cfg = ModelConfig.from_folder(convert_gguf(r.path, progress=False) if r.kind == "gguf" else r.path)
     sm, hw = load_step_model(a.profile, cfg)
+    fmt = default_format(r)  # the engine below runs its default (a GGUF natively)
     ps = PlanSettings(kv_bytes=parse_bytes(a.kv_cache_memory), max_model_len=a.max_model_len, slo={})
     preds = {"made_at": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": a.profile, "machine": machine_info(),
              "conversations_at_once": a.conversations_at_once, "traces": {}}
@@ -112,7 +115,7 @@ def main() -> int:
         later = name == "multi-turn"
         p = {}
         for on in (False, True):
-            res = planner.run(Variant("prefix caching" if on else "baseline", prefix_caching=on))
+            res = planner.run(Variant("prefix caching" if on else "baseline", fmt=fmt, prefix_caching=on))
             rows = [{"ttft_s": m.ttft, "turn": q.turn, "prompt_tokens": s.prompt_tokens}
                     for m, q, s in zip(res.metrics, rs, sims) if m is not None]
             p["on" if on else "off"] = {"output_tokens_per_s": res.report["output_tokens_per_s"],
@@ -125,6 +128,8 @@ def main() -> int:
     pred_path = out.with_suffix(".predictions.json")
     pred_path.write_text(json.dumps(preds, indent=1))
     print(f"wrote {pred_path} (before any measured run)", flush=True)
+    if a.predict_only:
+        return 0
 
     # -- runs: one engine, caching toggled -------------------------------------------------------
     eng = LLMEngine(EngineArgs(model=a.model, kv_cache_memory=a.kv_cache_memory, max_model_len=a.max_model_len,

@@ -146,6 +146,14 @@ BF16 = WeightFormat("bf16")
 INT4 = WeightFormat("int4", 128)
 
 
+def default_format(resolved) -> WeightFormat:
+    """The weight format the engine runs a resolved model (models.registry.resolve_model) in by default:
+    a GGUF file's tensors as stored (native), else bf16. A benchmark that compares the planner with the
+    engine's default must plan this one: planned as bf16, the native 0.5B's decode was put at ~2.5x
+    its time (benchmarks/prefix_cache.py, 2026-12-06)."""
+    return gguf_format(resolved.path) if resolved.kind == "gguf" else BF16
+
+
 def gguf_format(path) -> WeightFormat:
     """The "gguf" WeightFormat of a GGUF file: the bytes per weight its tensors take as stored
     (block sizes per the GGUF spec, `n_bytes` of the `gguf` package's reader), over the layers' 2-D tensors,

@@ -274,3 +274,15 @@ def test_the_engine_fingerprint_follows_the_engines_code_only(tmp_path, monkeypa
         f.write_bytes(old)
     assert engine_fingerprint() == base
     assert _profile_warnings({"warnings": "disturbed probe"}) == ["disturbed probe"]
+
+
+def test_benchmarks_plan_the_engines_default_format(tmp_path, tiny):
+    """A GGUF model runs natively by default, so a prediction of the default engine plans its tensors as
+    stored; an HF folder runs bf16."""
+    from mixserve.models.registry import resolve_model
+    from mixserve.plan.cost_model import BF16, default_format
+    from tests.unit.test_gguf_native import write_tiny_gguf
+
+    g = default_format(resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf"))))
+    assert g.name == "gguf" and g.label  # its tensors as stored (the label names their types)
+    assert default_format(resolve_model(tiny)) == BF16
