@@ -41,6 +41,7 @@ DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
 DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
 PROFILE_VERSION = 1
+OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
 # mixserve's code that does not run in the engine: a profile stays good across changes to it. Everything
 # else (the engine, its layers and kernels, quant/, the KV cache, host_memory.py, ...) sets its speed
@@ -77,7 +78,6 @@ def stale_warning(prof: dict) -> str | None:
             "changed since (a stale profile predicted the int4 decode step at 40 ms where the engine took 58, and "
             "the native default's capacity at half what it was: BENCHMARKS.md, 2026-12-06); run `mixserve hw probe` "
             "again")
-OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
 
 def _time(fn, repeats: int, warmup: int = 1, device="cpu") -> float:
