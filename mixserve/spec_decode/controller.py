@@ -75,6 +75,10 @@ class StepCostTable:
         xs = sorted(x[1] for x in self.samples.get(self.bucket(rows), []))
         return xs[len(xs) // 2] if xs else None
 
+    def largest_rows(self) -> float:
+        """Rows of the largest point timed (0 when nothing is)."""
+        return max((r for r, _ in self.buckets.values()), default=0.0)
+
     def has(self, rows: int) -> bool:
         return len(self.samples.get(self.bucket(rows), ())) >= self.min_samples
 
@@ -265,8 +269,7 @@ class SpecController:
         many rows or more; past its largest timed point, that point's cost grown as the target's own row
         curve grows (a forward of many rows costs far less than as many one-row steps: the draft's table
         alone would extrapolate in proportion, 256 ms for a 401-row catch-up of a 3 ms draft step)."""
-        pts = sorted(self.draft.buckets.values())
-        top = pts[-1][0] if pts else 0
+        top = self.draft.largest_rows()
         if rows <= top:
             return self.draft.estimate(rows)
         t_rows, t_top = self.target.estimate(rows), self.target.estimate(max(1, int(top)))

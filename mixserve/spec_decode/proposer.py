@@ -105,6 +105,7 @@ class DraftModelProposer:
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         times = []
         self.forwards = []
+        first_plain = False  # the first forward ran one row per sequence (nothing to catch up)
         for step in range(k):
             t0 = time.perf_counter()
             active = [i for i, ki in enumerate(ks) if ki > step]

@@ -276,13 +276,20 @@ def test_the_engine_fingerprint_follows_the_engines_code_only(tmp_path, monkeypa
     assert _profile_warnings({"warnings": "disturbed probe"}) == ["disturbed probe"]
 
 
-def test_benchmarks_plan_the_engines_default_format(tmp_path, tiny):
+def test_benchmarks_plan_the_engines_default_format(tmp_path, tiny, monkeypatch):
     """A GGUF model runs natively by default, so a prediction of the default engine plans its tensors as
     stored; an HF folder runs bf16."""
     from mixserve.models.registry import resolve_model
     from mixserve.plan.cost_model import BF16, default_format
     from tests.unit.test_gguf_native import write_tiny_gguf
 
+    from mixserve.models.loader import use_native_gguf
+
     g = default_format(resolve_model(str(write_tiny_gguf(tmp_path / "tiny.gguf"))))
-    assert g.name == "gguf" and g.label  # its tensors as stored (the label names their types)
+    if use_native_gguf(None, None):  # this CPU loads a GGUF natively by default (AVX512-VNNI)
+        assert g.name == "gguf" and g.label  # its tensors as stored (the label names their types)
+    else:  # dequantized by default (an AVX2-only CPU, or no C++ compiler)
+        assert g == BF16
     assert default_format(resolve_model(tiny)) == BF16
+    monkeypatch.setenv("MIXSERVE_ISA", "avx2")  # the AVX2-only kind: a GGUF is dequantized by default
+    assert default_format(resolve_model(str(tmp_path / "tiny.gguf"))) == BF16
