@@ -1,5 +1,5 @@
 """Decode step time of two checkouts, alternated in one run: eager steps and the compiled decode graph,
-at 1 and 8 rows (issue 32: a start-up change may not cost decode speed).
+at 1 and 8 rows (issue 32: a start-up change may not cost decode speed), or the rows --rows names.
 
 Each round starts one fresh process per checkout (PYTHONPATH points at it), loads the model with the graph
 forced (`--kernels decode_graph=compiled`; Inductor's cache makes later rounds load it), and times
@@ -8,6 +8,7 @@ the median of all but the first 4. Ratios within a round are what to read: the m
 the order within a round alternates.
 
     python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --new . [--rounds 2] [--gguf-weights native] [--dtype bfloat16]
+    python benchmarks/decode_graph_ab.py --old /tmp/old-checkout --model qwen2.5-coder-1.5b-instruct --rows 1,2,3,4,5 --paths eager
 """
 from __future__ import annotations
 
@@ -29,18 +30,19 @@ llm = LLM(sys.argv[1], progress=False, kernels="decode_graph=compiled", **json.l
 r, g = llm.engine.runner, llm.engine.runner.graph
 out = {}
 with torch.inference_mode():
-    for rows in (1, 8):
-        for name, run in (("eager", r.run_eager), ("compiled", g.run)):
+    for rows in json.loads(sys.argv[4]):
+        for name, run in [x for x in (("eager", r.run_eager), ("compiled", g.run)) if x[0] in sys.argv[5]]:
             ts = dummy_decode_steps(r, rows, 128, int(sys.argv[2]), run)[4:]
             out[f"{name}@{rows}"] = round(statistics.median(ts) * 1e3, 1)
 print(json.dumps(out))
 """
 
 
-def run(code: str, model: str, steps: int, engine: dict) -> dict:
+def run(code: str, model: str, steps: int, engine: dict, rows: list[int], paths: str) -> dict:
     env = {**os.environ, "PYTHONPATH": code, "MIXSERVE_KERNEL_TIMING": "prior",
            "MIXSERVE_KERNEL_CACHE": os.path.join(tempfile.mkdtemp(), "choices.json")}
-    p = subprocess.run([sys.executable, "-c", _CHILD, model, str(steps), json.dumps(engine)], cwd=code, env=env,
+    p = subprocess.run([sys.executable, "-c", _CHILD, model, str(steps), json.dumps(engine), json.dumps(rows),
+                        paths], cwd=code, env=env,
                        capture_output=True,
                        text=True, timeout=900)
     if p.returncode:
@@ -58,7 +60,10 @@ def main() -> int:
     ap.add_argument("--gguf-weights", default=None, choices=["native", "dequantize"],
                     help="how a GGUF loads (default: the engine's choice for this CPU)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype (default: the engine's)")
+    ap.add_argument("--rows", default="1,8", help="rows a step, comma-separated (2-5 rows: a verification's shapes)")
+    ap.add_argument("--paths", default="eager,compiled", help="eager, compiled or both")
     a = ap.parse_args()
+    rows = [int(r) for r in a.rows.split(",")]
     engine = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}
     if a.dtype:
         engine["dtype"] = a.dtype
@@ -72,11 +77,11 @@ def main() -> int:
         # the order alternates (old first on odd rounds): the second process of a pair met a
         # warmer machine in earlier runs
         if i % 2 == 0:
-            old = run(os.path.abspath(a.old), a.model, a.steps, engine)
-            new = run(os.path.abspath(a.new), a.model, a.steps, engine)
+            old = run(os.path.abspath(a.old), a.model, a.steps, engine, rows, a.paths)
+            new = run(os.path.abspath(a.new), a.model, a.steps, engine, rows, a.paths)
         else:
-            new = run(os.path.abspath(a.new), a.model, a.steps, engine)
-            old = run(os.path.abspath(a.old), a.model, a.steps, engine)
+            new = run(os.path.abspath(a.new), a.model, a.steps, engine, rows, a.paths)
+            old = run(os.path.abspath(a.old), a.model, a.steps, engine, rows, a.paths)
         print(f"round {i + 1} ({'old' if i % 2 == 0 else 'new'} first): " + ", ".join(f"{k} {old[k]} -> {new[k]} ({new[k] / old[k]:.2f}x)" for k in old))
     return 0
 

@@ -152,6 +152,22 @@ def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
                                                  (y != ref).sum().item())
 
 
+def test_two_panel_passes_follow_the_float_order():
+    """The few-row kernel's two-panel passes (Q6_K at K >= 4096, gguf_src.py's fewp): 1-4 rows at the
+    engine's two levels and the LM head's three, against the numpy float order, on panel counts that
+    leave a thread an odd number of panels (its last panel alone) and a partial last panel."""
+    torch.manual_seed(12)
+    k = 4352
+    for n in (83, 117):
+        blocks = random_blocks("Q6_K", n, k, seed=13)
+        w = GGUFWeight.from_blocks("Q6_K", blocks, k)
+        x = (torch.randn(4, k) * torch.linspace(0.1, 3, k)).contiguous()
+        for levels in (2, 3):
+            ref = torch.from_numpy(float_order_reference("Q6_K", blocks, k, x.numpy(), levels))
+            for rows in (1, 2, 3, 4):
+                assert torch.equal(w.matmul(x[:rows], levels), ref[:rows]), (n, levels, rows)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_levels_past_two_add_the_first_rows_rest(qtype):
     """levels 3 and 4 (the LM head's float32 logits): the row's int16 quantization, then what it left
