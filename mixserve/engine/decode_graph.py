@@ -10,9 +10,12 @@ paged kernel). Shapes are dynamic in the row count, a count of 1 included, so on
 single stream and every batch; the batch's tensors are written into persistent buffers, not rebuilt
 per step.
 
-Only decode-only steps whose every row samples one token are run here: prefill chunks,
-speculative verification and batches past `max_rows` take the eager path, which stays the
-reference (`--enforce-eager`). Whether the graph runs at all is a measured choice per machine
+Steps whose items span at most `MAX_ITEM_ROWS` positions each and want logits run here, each
+position a row with its own context: decode rows, and a speculative verification's k + 1 positions
+or a draft's catch-up (issue 34: on the eager path a 1.5B's 3-row verification cost 1.56x its
+compiled 1-row step). Prefill chunks, batches past `max_rows` and prompt scoring take the eager path,
+which stays the reference (`--enforce-eager`); a row's attention is the paged kernel's either way
+in batch-invariant mode (layers/paged_decode.paged_rows), so the tokens are the same. Whether the graph runs at all is a measured choice per machine
 (`decode_graph` in layers/kernel_choice.py): compiled against eager steps of this model.
 Inductor's compiled code is cached under `<cache root>/inductor` (unless TORCHINDUCTOR_CACHE_DIR
 says otherwise), so only a machine's first start pays the compile (stated by `describe`).
@@ -32,6 +35,10 @@ import torch
 from mixserve.env import pin_inductor_cache
 
 log = logging.getLogger("mixserve")
+
+# the most positions of one item a step runs as rows of the graph (a verification is k + 1 of them);
+# longer items are prefill chunks, which the eager path's many-row kernels take
+MAX_ITEM_ROWS = 16
 
 
 def graph_supported(model) -> str | None:
@@ -164,48 +171,64 @@ class DecodeGraph:
         self.slots = torch.zeros(max_rows, dtype=torch.long)
         self.lens = torch.ones(max_rows, dtype=torch.long)
         self.tables = torch.zeros(max_rows, max_blocks, dtype=torch.long)
+        self.logit_rows = torch.zeros(max_rows, dtype=torch.long)
         self.compile_s: dict[str, float] = {}  # the graph's first call ("graph"): seconds
         self._traced = None  # _state() at the last call that ran Dynamo's guards
-        self._guarded_rows: set[int] = set()  # row counts that ran with Dynamo's guards under _traced
+        self._guarded_rows: set[tuple[int, int]] = set()  # (rows, logit rows) that ran with Dynamo's guards under _traced
         self.num_steps = 0  # steps run here
+        self.span_steps = 0  # of them, steps with an item of several positions (a verification, a catch-up)
         self.unguarded_steps = 0  # of them, steps that skipped Dynamo's guards (run)
 
     def accepts(self, items) -> bool:
-        """True for a decode-only batch (one new token per row, each sampled) of at most max_rows."""
-        return 0 < len(items) <= self.max_rows and all(it.end - it.start == 1 and it.num_logits == 1
-                                                        for it in items)
+        """True for a batch of at most max_rows positions whose items each span 1 .. MAX_ITEM_ROWS
+        positions and want logits for 1 .. all of them (decode rows, a verification, a catch-up)."""
+        return 0 < self.rows(items) <= self.max_rows and all(
+            1 <= it.num_logits <= it.end - it.start <= MAX_ITEM_ROWS for it in items)
+
+    @staticmethod
+    def rows(items) -> int:
+        """Rows a step of `items` runs here: one per position."""
+        return sum(it.end - it.start for it in items)
 
     def run(self, items, block_table) -> torch.Tensor:
-        """Float32 logits [len(items), vocab] in `items`' order; block_table(seq_id) -> its blocks."""
-        bs, n = self.block_size, len(items)
-        ids, pos, slots, tables = [], [], [], []
+        """Float32 logits in `items`' order, each item's last num_logits positions in turn
+        [sum of num_logits, vocab]; block_table(seq_id) -> its blocks."""
+        bs = self.block_size
+        ids, pos, slots, tables, wanted = [], [], [], [], []
         width = 1
         for it in items:
-            p = it.start
-            t = block_table(it.seq_id)
-            ids.append(it.token_ids[p])
-            pos.append(p)
-            slots.append(t[p // bs] * bs + p % bs)
-            t = t[:p // bs + 1]
-            width = max(width, len(t))
-            tables.append(t)
+            bt = block_table(it.seq_id)
+            for p in range(it.start, it.end):
+                if p >= it.end - it.num_logits:
+                    wanted.append(len(ids))
+                ids.append(it.token_ids[p])
+                pos.append(p)
+                slots.append(bt[p // bs] * bs + p % bs)
+                t = bt[:p // bs + 1]
+                width = max(width, len(t))
+                tables.append(t)
+        n, m = len(ids), len(wanted)
+        self.span_steps += n > len(items)
         self.input_ids[:n] = torch.tensor(ids)
         self.positions[:n] = torch.tensor(pos)
         self.slots[:n] = torch.tensor(slots)
         self.lens[:n] = self.positions[:n] + 1
         self.tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self.logit_rows[:m] = torch.tensor(wanted)
         t0 = time.perf_counter() if not self.compile_s else None
-        args = (self.input_ids[:n], self.positions[:n], self.slots[:n], self.tables[:n], self.lens[:n])
+        args = (self.input_ids[:n], self.positions[:n], self.slots[:n], self.tables[:n], self.lens[:n],
+                self.logit_rows[:m])
         state = self._state()
         if state != self._traced:
             self._traced, self._guarded_rows = state, set()
-        if t0 is None and n in self._guarded_rows and _GATE.enter_unguarded():
+        if t0 is None and (n, m) in self._guarded_rows and _GATE.enter_unguarded():
             # Dynamo's ~2,700 guards (module attributes, dict keys, input tensors) cost ~0.4-0.6 ms
             # of a 0.5B's 12-13 ms step. The model is fixed once the kernels are chosen, and the only
             # size that changes between steps is the row count (the table width, the caches' and
             # RoPE's sizes are the engine's): a row count that passed the guards once, with the
-            # same _state, passes them again, so they are skipped. A call Dynamo would compile
-            # again anyway raises before it runs, and runs guarded instead.
+            # same _state, passes them again, so they are skipped (keyed by the row count and the
+            # logit rows', both symbols). A call Dynamo would compile again anyway raises before
+            # it runs, and runs guarded instead.
             try:
                 with torch.inference_mode(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     out = self.fn(self.model, *args)
@@ -225,7 +248,7 @@ class DecodeGraph:
         with _GATE.guarded(), torch.inference_mode(), \
                 self._first_call(args) if t0 is not None else contextlib.nullcontext():
             out = self.fn(self.model, *args)
-        self._guarded_rows.add(n)  # passed Dynamo's guards (or compiled again where they failed)
+        self._guarded_rows.add((n, m))  # passed Dynamo's guards (or compiled again where they failed)
         if t0 is not None:
             self.compile_s["graph"] = time.perf_counter() - t0
             # a break splits the step into graphs, each with its own guards and wrapper (a break in
@@ -253,13 +276,13 @@ class DecodeGraph:
         cache): which sizes are symbols is decided here, and only here, so that the graph, and
         Inductor's cache key, depend on nothing but the model and the dtype (issue 32: another
         --kv-cache-memory, --max-model-len or --max-num-seqs compiles nothing new)."""
-        ids, positions, slots, tables, lens = args
+        tables = args[3]
         for t in args:
             _symbolic(t, 0)
         _symbolic(tables, 1)
         # the inputs are views of the persistent buffers, and Dynamo traces a view with its base:
         # the bases' sizes (max_num_seqs, max_model_len) are symbols too, or they enter the graph
-        for t in (self.input_ids, self.positions, self.slots, self.lens, self.tables):
+        for t in (self.input_ids, self.positions, self.slots, self.lens, self.tables, self.logit_rows):
             _symbolic(t, 0)
         _symbolic(self.tables, 1)
         m = self.model

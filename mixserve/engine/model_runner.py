@@ -387,7 +387,7 @@ class ModelRunner:
                 out = graph.run(items, self.bm.block_table), list(items)
             else:
                 out = self.run_eager(items)
-            trial.add(compiled, len(items), time.perf_counter() - t0)
+            trial.add(compiled, sum(it.end - it.start for it in items), time.perf_counter() - t0)
             if trial.done():
                 self._end_trial()
             return out

@@ -206,16 +206,23 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """A decode-only step, one token per row, every row sampled: the form the decode graph
-        captures (engine/decode_graph.py), with attention through the paged kernel
-        (layers/paged_decode.py). input_ids, positions, slot_mapping, context_lens: int64 [B];
-        block_tables: int64 [B, max_blocks]. Returns float32 logits [B, vocab_size]. Undecorated
-        (the caller runs it under inference_mode): the graph's compiled code is kept per code object
-        of this very function, which a decorator's wrapper would share between all graphs."""
+               block_tables: torch.Tensor, context_lens: torch.Tensor,
+               logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """A step of query rows, each with its own position, slot, block table and context: the
+        form the decode graph captures (engine/decode_graph.py), with attention through the paged
+        kernel (layers/paged_decode.py), which writes every row's k/v before any row attends. A
+        decode row is one; a speculative verification's k + 1 positions of one sequence are k + 1
+        rows whose contexts end at their own positions. input_ids, positions, slot_mapping,
+        context_lens: int64 [B]; block_tables: int64 [B, max_blocks]; logit_rows: int64 [L], the
+        rows whose logits are wanted (None: all). Returns float32 logits [L or B, vocab_size].
+        Undecorated (the caller runs it under inference_mode): the graph's compiled code is kept
+        per code object of this very function, which a decorator's wrapper would share between
+        all graphs."""
         x = self.embed_tokens(input_ids)
         tables = self.rope.tables(positions)
         meta = (slot_mapping, block_tables, context_lens)
         for layer in self.layers:
             x = layer(x, tables, meta, self.rope)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
         return self.lm_head(self.norm(x)).float()

@@ -169,6 +169,24 @@ def test_tiny_chunked_cached_and_speculated_prefills_agree(tiny):
         assert spec.generate([p], greedy)[0].token_ids == plain
 
 
+def test_verification_and_catch_up_rows_run_in_the_compiled_graph_with_eagers_bits(tiny):
+    """Issue 34: a verification's k + 1 positions and a draft's catch-up run as rows of the compiled
+    decode graph, each with its own context (its logits only where wanted): the tokens and
+    logprobs are those of plain eager decoding, with the n-gram drafter and with a draft model,
+    greedy and seeded."""
+    p = _ids(1, 4, 40, 40)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    eager = LLM(tiny, kernels="eager", **ENGINE)
+    want = [_key(eager.generate([p], sp)[0]) for sp in (greedy, SEEDED)]
+    for draft in ("ngram", tiny):
+        spec = LLM(tiny, draft_model=draft, speculation="fixed", num_speculative_tokens=3,
+                   kernels="decode_graph=compiled", **ENGINE)
+        assert [_key(spec.generate([p], sp)[0]) for sp in (greedy, SEEDED)] == want, draft
+        assert spec.engine.runner.graph.span_steps > 0  # verifications ran in the graph
+        if draft != "ngram":
+            assert spec.engine.proposer.runner.graph.span_steps > 0  # the draft's catch-ups too
+
+
 def test_tiny_off_mode_runs_and_is_said(tiny):
     llm = LLM(tiny, batch_invariant="off", **ENGINE)
     assert not llm.engine.batch_invariant and "batch invariance off" in llm.engine.describe()

@@ -359,7 +359,7 @@ def test_decode_graph_skips_guards_only_where_they_passed_before(tiny, reference
     llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels=KERNELS[1])
     g = llm.engine.runner.graph
     check_all(llm.generate([reference[0][0]], GREEDY), reference)
-    assert g.unguarded_steps > 0 and 1 in g._guarded_rows
+    assert g.unguarded_steps > 0 and (1, 1) in g._guarded_rows
     state, model = g._state(), llm.engine.model
     k, v = [layer.k_cache for layer in model.layers], [layer.v_cache for layer in model.layers]
     model.bind_kv_cache([c.clone() for c in k], [c.clone() for c in v])
@@ -368,7 +368,7 @@ def test_decode_graph_skips_guards_only_where_they_passed_before(tiny, reference
     before = g.unguarded_steps
     g._traced = None  # as if the rebinding had been seen by a step
     check_all(llm.generate([reference[i][0] for i in range(3)], GREEDY), reference)
-    assert 3 in g._guarded_rows and g.unguarded_steps > before
+    assert (3, 3) in g._guarded_rows and g.unguarded_steps > before
 
 
 def test_decode_graph_that_cannot_compile_falls_back_to_eager(tiny, reference, monkeypatch):
