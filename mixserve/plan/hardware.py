@@ -40,6 +40,12 @@ DEFAULT_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 # gathered K/V outgrow the cache), so the planner interpolates the grid instead of a line
 DECODE_ATTENTION_ROWS = (1, 4, 16, 64)
 DECODE_ATTENTION_CONTEXTS = (64, 256, 1024, 2048)
+# a prefill chunk's (or a verification's) attention: queries by the cached prefix before them (a
+# chunk after a cached prefix or an earlier chunk). A grid, because a least-squares fit over a few
+# shapes (a + b * q + c * query-key pairs) was ruled by the largest: ~1 ms a layer for any span,
+# 3.4x a 5-query span's and 60x a 16-token prompt's (issue 34, multi-turn TTFT)
+SPAN_QUERIES = (4, 16, 64, 256, 1024, 2048)
+SPAN_PREFIXES = (0, 256, 1024, 2048)
 PROFILE_VERSION = 1
 OVERHEAD_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # rows of the engine decode steps probe_overhead times
 
@@ -360,20 +366,30 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
             "seconds": [[next(p["seconds"] for p in dec_pts if p["rows"] == b and p["context"] == c)
                          for c in ctx_grid] for b in rows_grid]}
     span_pts = []
-    for q, c in ((16, 16), (128, 128), (512, 512), (min(2048, max_context), min(2048, max_context)),
-                 (64, 1024), (256, 1024), (5, 512)):
-        t = _attention_case(cfg, dtype, [], (q, c), repeats, device=device, invariant=invariant)
-        span_pts.append({"queries": q, "context": c, "seconds": t})
+    qs = sorted({q for q in SPAN_QUERIES if q < max_context} | {max_context})
+    prefixes = [p for p in SPAN_PREFIXES if p < max_context]
+    timed: dict[tuple[int, int], float] = {}
+    for q in qs:
+        for pre in prefixes:
+            c = min(q + pre, max_context)  # past the model's context the cell is its largest shape
+            if (q, c) not in timed:
+                timed[q, c] = _attention_case(cfg, dtype, [], (q, c), repeats, device=device, invariant=invariant)
+            span_pts.append({"queries": q, "prefix": pre, "context": c, "seconds": timed[q, c]})
     X = np.array([[1.0, p["queries"], p["queries"] * p["context"] - p["queries"] * (p["queries"] - 1) // 2]
                   for p in span_pts])
     span_fit = fit_nonneg(X, np.array([p["seconds"] for p in span_pts]))
+    cell = {(p["queries"], p["prefix"]): p for p in span_pts}
+    span_grid = {"queries": qs, "prefix": prefixes,
+                 "seconds": [[cell[q, pre]["seconds"] for pre in prefixes] for q in qs],
+                 "context": [[cell[q, pre]["context"] for pre in prefixes] for q in qs]}
     log(f"  attention decode fit a={dec_fit[0] * 1e6:.1f}us b={dec_fit[1] * 1e6:.2f}us/row "
         f"c={dec_fit[2] * 1e9:.2f}ns/context-token; span fit a={span_fit[0] * 1e6:.1f}us "
         f"b={span_fit[1] * 1e6:.2f}us/query c={span_fit[2] * 1e9:.3f}ns/pair (per layer)")
     return {"invariant": invariant,
             "decode": {"points": dec_pts, "fit": dec_fit, "terms": ["1", "rows", "sum(context)"], "grid": grid,
                        "kernel": "paged (every row: batch invariance)" if invariant else decode},
-            "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"]}}
+            "span": {"points": span_pts, "fit": span_fit, "terms": ["1", "queries", "query-key pairs"],
+                     "grid": span_grid}}
 
 
 def probe_masks(model: str, vocab_size: int, eos_ids: list[int], steps: int = 16, log=print) -> dict:

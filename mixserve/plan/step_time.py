@@ -129,6 +129,48 @@ class Grid:
         return ((1 - wr) * top + wr * bot) * rows * context
 
 
+class SpanGrid:
+    """Seconds of one layer's attention for a span of q queries after a prefix of p cached tokens
+    (context q + p at its end) from a measured (queries, prefix) grid (`contexts`: the context each
+    cell was timed at, where not q + p): bilinear in (log q,
+    log(p + 16)) on the time per query-key pair, times the span's pairs. Per pair, because that is
+    what varies slowly; past the grid's edges the time per pair stays at the edge's (a span of
+    fewer queries than the smallest measured costs the smallest's per pair)."""
+
+    SHIFT = 16  # log(p + 16): a prefix of 0 (a chunk from the start) on the log axis
+
+    def __init__(self, queries: list[int], prefixes: list[int], seconds: list[list[float]],
+                 contexts: list[list[int]] | None = None):
+        if not queries or not prefixes or len(seconds) != len(queries) or any(len(r) != len(prefixes) for r in seconds):
+            raise ValueError("span grid: seconds must be [len(queries)][len(prefix)], both non-empty")
+        for axis, vals in (("queries", queries), ("prefix", [p + 1 for p in prefixes])):
+            if any(not v > 0 for v in _finite_nonneg(vals, f"span grid {axis}")) or list(vals) != sorted(set(vals)):
+                raise ValueError(f"span grid: {axis} must be positive and strictly increasing (got {vals!r:.80})")
+        for r in seconds:
+            _finite_nonneg(r, "span grid seconds")
+        self.lq = [math.log(q) for q in queries]
+        self.lp = [math.log(p + self.SHIFT) for p in prefixes]
+        # per pair of the shape each cell timed (`contexts`: a cell past the model's context was
+        # timed at its largest, q + p cut to it)
+        ctx = contexts or [[q + p for p in prefixes] for q in queries]
+        if len(ctx) != len(queries) or any(len(r) != len(prefixes) for r in ctx) or \
+                any(not q <= c for r, q in zip(ctx, queries) for c in r):
+            raise ValueError("span grid: context must be [len(queries)][len(prefix)], each at least its queries")
+        self.per_pair = [[t / _span_score_elements(q, c) for t, c in zip(ts, cs)]
+                         for ts, cs, q in zip(seconds, ctx, queries)]
+
+    def __call__(self, q: int, ctx: int) -> float:
+        if q <= 0:
+            return 0.0
+        pre = max(0, ctx - q)
+        i0, i1, wq = Grid._bracket(self.lq, math.log(q))
+        j0, j1, wp = Grid._bracket(self.lp, math.log(pre + self.SHIFT))
+        g = self.per_pair
+        top = (1 - wp) * g[i0][j0] + wp * g[i0][j1]
+        bot = (1 - wp) * g[i1][j0] + wp * g[i1][j1]
+        return ((1 - wq) * top + wq * bot) * _span_score_elements(q, max(ctx, q))
+
+
 class StepModel:
     """Base: combines per-component times into a step time. Subclasses implement
     linear_time, decode_attention_time, span_attention_time and overhead (seconds)."""
@@ -216,7 +258,8 @@ class MeasuredModel(StepModel):
     overhead: the profile's least-squares fits, per layer:
     decode: each call, as the model runner groups and pads the rows (decode_groups), from the
     profile's (rows, context) grid (Grid), or for older profiles t = a * calls + b * rows + c *
-    padded slots; span t = a + b * q + c * (query-key pairs);
+    padded slots; span: the profile's (queries, cached prefix) grid (SpanGrid), or for older
+    profiles t = a + b * q + c * (query-key pairs);
     overhead t = a + b * seqs + c * tokens. Structured output: `structured.fit` (a, b): a step's
     masks take a + b * rows seconds for its constrained rows (0 for a profile without it).
     block_size: KV block size in tokens (default: the profile's, else 16). Raises ValueError for a
@@ -241,6 +284,8 @@ class MeasuredModel(StepModel):
         self.dec_grid = Grid(g["rows"], g["context"], g["seconds"]) if g else None
         self.dec = _finite_nonneg(att["decode"]["fit"], "attention decode fit")
         self.span = _finite_nonneg(att["span"]["fit"], "attention span fit")
+        sg = att["span"].get("grid")  # profiles before the span grid have only the fit
+        self.span_grid = SpanGrid(sg["queries"], sg["prefix"], sg["seconds"], sg.get("context")) if sg else None
         self.ovh = _finite_nonneg(profile["overhead"]["fit"], "overhead fit")
         for name, f in (("attention decode fit", self.dec), ("attention span fit", self.span),
                         ("overhead fit", self.ovh)):
@@ -272,6 +317,8 @@ class MeasuredModel(StepModel):
         return max(0.0, self.dec[0] * len(groups) + self.dec[1] * len(contexts) + self.dec[2] * padded)
 
     def span_attention_time(self, q: int, ctx: int) -> float:
+        if self.span_grid is not None:
+            return self.span_grid(q, ctx)
         return max(0.0, _lin3(self.span, q, _span_score_elements(q, ctx)))
 
     def overhead(self, num_seqs: int, num_tokens: int) -> float:

@@ -273,6 +273,33 @@ def test_decode_attention_grid():
         Grid([1, 4], [64], [[1.0]])
 
 
+def test_span_attention_grid():
+    """A prefill chunk's attention from the probe's (queries, cached prefix) grid: its cells exact,
+    bilinear in (log q, log(prefix + 16)) on the time per query-key pair between them, the edge's
+    per pair outside, a cell timed at a shorter context (past the model's) taken at it; a profile
+    without the grid keeps its fit; bad grids refused."""
+    from mixserve.plan.step_time import SpanGrid, _span_score_elements as pairs
+
+    secs = [[4e-6, 40e-6], [20e-6, 400e-6]]
+    g = SpanGrid([4, 16], [0, 240], secs)
+    assert g(4, 4) == pytest.approx(4e-6) and g(16, 256) == pytest.approx(400e-6)  # cells exact
+    pp = [[secs[0][0] / pairs(4, 4), secs[0][1] / pairs(4, 244)], [secs[1][0] / pairs(16, 16), secs[1][1] / pairs(16, 256)]]
+    assert g(8, 8 + 48) == pytest.approx(sum(map(sum, pp)) / 4 * pairs(8, 56))  # the centre: log 8, log(48 + 16)
+    assert g(2, 500) == pytest.approx(pp[0][1] * pairs(2, 500))  # beyond both edges: the corner's per pair
+    assert g(0, 10) == 0.0
+    cut = SpanGrid([4, 16], [0, 240], secs, contexts=[[4, 200], [16, 256]])
+    assert cut(4, 244) == pytest.approx(40e-6 / pairs(4, 200) * pairs(4, 244))
+    prof = fake_profile()
+    old = MeasuredModel(CFG, prof).span_attention_time(16, 256)
+    assert old == pytest.approx(10e-6 + 1e-9 * pairs(16, 256))  # the fit, without a grid
+    prof["attention"]["span"]["grid"] = {"queries": [4, 16], "prefix": [0, 240], "seconds": secs}
+    assert MeasuredModel(CFG, prof).span_attention_time(16, 256) == pytest.approx(400e-6)
+    with pytest.raises(ValueError, match="span grid"):
+        SpanGrid([4, 16], [0], secs)
+    with pytest.raises(ValueError, match="span grid"):
+        SpanGrid([4, 16], [0, 240], secs, contexts=[[2, 244], [16, 256]])
+
+
 def test_a_self_contradicting_profile_is_flagged(tmp_path):
     # a probe on a busy machine: its tables add up to 1.6 s for a decode step measured at 61 ms
     prof = fake_profile()
