@@ -481,8 +481,8 @@ def _device_name(device) -> str:
 def cmd_hw_probe(a) -> int:
     from mixserve.plan.hardware import probe
 
-    formats = tuple(f.strip() for f in a.formats.split(",") if f.strip())
-    if not formats:
+    formats = None if a.formats is None else tuple(f.strip() for f in a.formats.split(",") if f.strip())
+    if formats is not None and not formats:
         raise ValueError("formats: give bf16, int4 and/or gguf")
     if a.repeats < 1:
         raise ValueError(f"repeats: must be >= 1 (got {a.repeats})")
@@ -932,8 +932,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="profile path (default results/hw-*.json)")
     p.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,128,256,512,1024,2048",
                    help="row counts timed per linear (3 and 5: speculative verification of k = 2 and 4)")
-    p.add_argument("--formats", default="bf16,int4", help="weight formats timed: bf16,int4,gguf (gguf: a GGUF model's "
-                   "quantized tensors as stored, each shape with the file's own block types)")
+    p.add_argument("--formats", default=None, help="weight formats timed: bf16,int4,gguf (gguf: a GGUF model's "
+                   "quantized tensors as stored, each shape with the file's own block types; default bf16,int4, "
+                   "and gguf where the engine runs the file natively by default)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per point (the median is kept)")
     p.add_argument("--max-context", type=int, default=2048, help="longest context timed for attention (tokens)")
     p.add_argument("--no-engine-steps", action="store_true",

@@ -575,7 +575,18 @@ def probe_overhead(model: str, dtype, partial: dict, repeats: int, log=print,
     return {"points": pts, "fit": fit, "terms": ["1", "seqs", "tokens"], "format": fmt.name}
 
 
-def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = ("bf16", "int4"),
+def default_probe_formats(resolved, device) -> tuple[str, ...]:
+    """The weight formats `hw probe` times unless told: bf16 and int4, and a GGUF model's tensors as
+    stored where the engine runs them so by default (cost_model.default_format: its native kernel
+    here, a CPU). Without them the probe's engine steps ran the dequantized bf16 copy, ~2.5x slower
+    a decode step than the native engine `serve` starts, and `plan` could not plan that default."""
+    from mixserve.plan.cost_model import default_format
+
+    native = resolved.kind == "gguf" and torch.device(device).type == "cpu" and default_format(resolved).name == "gguf"
+    return ("bf16", "int4", "gguf") if native else ("bf16", "int4")
+
+
+def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] | None = None,
           repeats: int = 5, max_context: int = 2048, engine_steps: bool = True, log=print,
           device: str = "cpu") -> dict:
     """Measure this machine for `model` (a built-in name, GGUF or HF folder) on `device` ("cpu",
@@ -593,19 +604,20 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] = 
     rows = sorted(set(rows or DEFAULT_ROWS))
     if not rows or rows[0] < 1:
         raise ValueError("rows: give positive row counts, e.g. 1,2,4,...,512")
+    r = resolve_model(model)
+    dev = resolve_device(device)
+    formats = tuple(formats) if formats is not None else default_probe_formats(r, dev)
     bad = [f for f in formats if f not in ("bf16", "int4", "gguf")]
     if bad:
         raise ValueError(f"formats: unknown {bad}; use bf16, int4 and/or gguf")
-    r = resolve_model(model)
     if "gguf" in formats and r.kind != "gguf":
         raise ValueError(f"formats: gguf times a GGUF file's own block types; {model} is not a GGUF model")
     folder = gguf_meta_dir(r.path) if r.kind == "gguf" else r.path
     cfg = ModelConfig.from_folder(folder)
-    dev = resolve_device(device)
     gpu = dev.type == "cuda"
     dtype = default_dtype(dev)
     where = torch.cuda.get_device_name(dev) if gpu else machine_info()["cpu"]
-    log(f"probing {model} on {where} ({torch.get_num_threads()} threads, {dtype})")
+    log(f"probing {model} on {where} ({torch.get_num_threads()} threads, {dtype}; formats {', '.join(formats)})")
     warnings = []
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     cores = os.cpu_count() or 1

@@ -186,9 +186,24 @@ def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables
     from mixserve.plan.hardware import engine_format, probe
     from tests.unit.test_gguf_native import write_tiny_gguf
 
+    from mixserve.models.registry import resolve_model
+    from mixserve.plan.cost_model import default_format
+    from mixserve.plan.hardware import default_probe_formats
+
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    prof = probe(str(path), rows=[1, 2, 4], formats=("bf16", "gguf"), repeats=1, max_context=64, log=lambda m: None)
+    r = resolve_model(str(path))
+    if default_format(r).name != "gguf":
+        pytest.skip("this CPU dequantizes a GGUF by default (no AVX512-VNNI): the probe then times bf16 steps")
+    # unless told, the probe times the format the engine runs by default: a GGUF natively (it timed
+    # bf16 and int4 only, and its engine steps ran the dequantized copy `serve` does not start)
+    assert default_probe_formats(r, "cpu") == ("bf16", "int4", "gguf")
+    assert default_probe_formats(r, "cuda") == ("bf16", "int4")
+    prof = probe(str(path), rows=[1, 2, 4], repeats=1, max_context=64, log=lambda m: None)
+    assert set(prof["linear"]) == {"bf16", "int4", "gguf"}
     assert prof["overhead"]["format"] == "gguf"
+    # prefill attention on its (queries, cached prefix) grid, within the probed context
+    g = prof["attention"]["span"]["grid"]
+    assert g["queries"] == [4, 16, 64] and g["prefix"] == [0] and all(c <= 64 for r in g["context"] for c in r)
     # attention timed as the invariant engine runs it: every row, prefill ones too, on the paged kernel
     assert prof["attention"]["invariant"] is True and prof["attention"]["decode"]["kernel"].startswith("paged")
     assert {p["seqs"] for p in prof["overhead"]["points"]} >= {1, 64}
