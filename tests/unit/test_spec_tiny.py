@@ -196,3 +196,36 @@ def test_the_draft_lag_reaches_the_controller_and_a_catch_up_is_timed_by_its_row
     assert eng.proposer.forwards[0][0] == 6 + 1  # the k = 1 step's forward: 6 tokens caught up + 1
     assert eng.proposer.step_time is None  # that forward is no one-row step
     assert eng.controller.draft.has(7) is False and eng.controller.draft.estimate(7) is not None
+
+
+def test_the_target_table_holds_whole_steps_less_the_drafts_forwards(pair):
+    """The controller compares whole steps: a plain step's time runs from choosing k and scheduling
+    to output handling, and a speculative step's is the same less its draft forwards (the draft's
+    own table). Timed from the verification alone, a k = 1 step's extra bookkeeping went
+    uncharged and `auto` speculated at temperature 1 where it lost (issue 34)."""
+    import time
+
+    target, draft = pair
+    for spec in (True, False):
+        kw = dict(speculation="fixed", draft_model=draft, num_speculative_tokens=1) if spec else {}
+        llm = LLM(target, dtype="float32", kv_cache_memory="8MiB", progress=False, kernels="eager", **kw)
+        eng = llm.engine
+        schedule = eng.scheduler.schedule
+
+        def slow_schedule(*a, **k):
+            time.sleep(0.03)  # the step's own overhead, before any forward
+            return schedule(*a, **k)
+        eng.scheduler.schedule = slow_schedule
+        if spec:
+            run = eng.proposer.runner.run
+
+            def slow_draft(*a, **k):
+                time.sleep(0.08)
+                return run(*a, **k)
+            eng.proposer.runner.run = slow_draft
+        llm.generate([[5, 6, 7, 8] * 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        rows = 2 if spec else 1
+        times = [x[1] for x in eng.controller.target.samples[eng.controller.target.bucket(rows)]]
+        assert times and all(t >= 0.03 for t in times), times  # the scheduling is in
+        if spec:
+            assert all(t < 0.08 for t in times), times  # the draft's forwards are not
