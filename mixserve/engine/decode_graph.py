@@ -15,8 +15,9 @@ position a row with its own context: decode rows, and a speculative verification
 or a draft's catch-up (issue 34: on the eager path a 1.5B's 3-row verification cost 1.56x its
 compiled 1-row step). Prefill chunks, batches past `max_rows` and prompt scoring take the eager path,
 which stays the reference (`--enforce-eager`); a row's attention is the paged kernel's either way
-in batch-invariant mode (layers/paged_decode.paged_rows), so the tokens are the same. Whether the graph runs at all is a measured choice per machine
-(`decode_graph` in layers/kernel_choice.py): compiled against eager steps of this model.
+in batch-invariant mode (layers/paged_decode.paged_rows), so the tokens are the same. Whether the
+graph runs at all is a measured choice per machine (`decode_graph` in layers/kernel_choice.py):
+compiled against eager steps of this model.
 Inductor's compiled code is cached under `<cache root>/inductor` (unless TORCHINDUCTOR_CACHE_DIR
 says otherwise), so only a machine's first start pays the compile (stated by `describe`).
 """
@@ -174,7 +175,8 @@ class DecodeGraph:
         self.logit_rows = torch.zeros(max_rows, dtype=torch.long)
         self.compile_s: dict[str, float] = {}  # the graph's first call ("graph"): seconds
         self._traced = None  # _state() at the last call that ran Dynamo's guards
-        self._guarded_rows: set[tuple[int, int]] = set()  # (rows, logit rows) that ran with Dynamo's guards under _traced
+        # (rows, logit rows) that ran with Dynamo's guards under _traced
+        self._guarded_rows: set[tuple[int, int]] = set()
         self.num_steps = 0  # steps run here
         self.span_steps = 0  # of them, steps with an item of several positions (a verification, a catch-up)
         self.unguarded_steps = 0  # of them, steps that skipped Dynamo's guards (run)

@@ -283,7 +283,8 @@ def test_span_attention_grid():
     secs = [[4e-6, 40e-6], [20e-6, 400e-6]]
     g = SpanGrid([4, 16], [0, 240], secs)
     assert g(4, 4) == pytest.approx(4e-6) and g(16, 256) == pytest.approx(400e-6)  # cells exact
-    pp = [[secs[0][0] / pairs(4, 4), secs[0][1] / pairs(4, 244)], [secs[1][0] / pairs(16, 16), secs[1][1] / pairs(16, 256)]]
+    pp = [[secs[0][0] / pairs(4, 4), secs[0][1] / pairs(4, 244)],
+          [secs[1][0] / pairs(16, 16), secs[1][1] / pairs(16, 256)]]
     assert g(8, 8 + 48) == pytest.approx(sum(map(sum, pp)) / 4 * pairs(8, 56))  # the centre: log 8, log(48 + 16)
     assert g(2, 500) == pytest.approx(pp[0][1] * pairs(2, 500))  # beyond both edges: the corner's per pair
     assert g(0, 10) == 0.0
