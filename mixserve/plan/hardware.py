@@ -367,7 +367,8 @@ def probe_attention(cfg: ModelConfig, dtype, repeats: int, max_context: int = 20
                          for c in ctx_grid] for b in rows_grid]}
     span_pts = []
     qs = sorted({q for q in SPAN_QUERIES if q < max_context} | {max_context})
-    prefixes = [p for p in SPAN_PREFIXES if p < max_context]
+    # two prefixes at least (a short context's probe): a row's time grows along them
+    prefixes = sorted({p for p in SPAN_PREFIXES if p < max_context} | {max_context // 2})
     timed: dict[tuple[int, int], float] = {}
     for q in qs:
         for pre in prefixes:

@@ -132,12 +132,15 @@ class Grid:
 class SpanGrid:
     """Seconds of one layer's attention for a span of q queries after a prefix of p cached tokens
     (context q + p at its end) from a measured (queries, prefix) grid (`contexts`: the context each
-    cell was timed at, where not q + p): bilinear in (log q,
-    log(p + 16)) on the time per query-key pair, times the span's pairs. Per pair, because that is
-    what varies slowly; past the grid's edges the time per pair stays at the edge's (a span of
-    fewer queries than the smallest measured costs the smallest's per pair)."""
+    cell was timed at, where not q + p: a cell past the model's context is timed at its largest).
 
-    SHIFT = 16  # log(p + 16): a prefix of 0 (a chunk from the start) on the log axis
+    Along the prefix a row's time is piecewise linear in the cached tokens (each query reads that
+    many more keys), through its cells and on past the last with the last segment's slope; each row
+    is made non-decreasing in the prefix (noise only adds time). Across rows the time per query is
+    interpolated in log q; below the smallest row a span costs its time per query, past the largest
+    its time per query-key pair. Interpolating the time per pair instead put a 4-query span at
+    prefix 64 at 12x its measured time (its prefix-0 cell is mostly fixed cost; a break-it round).
+    Raises ValueError for a malformed grid, or one with fewer than two prefixes timed."""
 
     def __init__(self, queries: list[int], prefixes: list[int], seconds: list[list[float]],
                  contexts: list[list[int]] | None = None):
@@ -148,27 +151,57 @@ class SpanGrid:
                 raise ValueError(f"span grid: {axis} must be positive and strictly increasing (got {vals!r:.80})")
         for r in seconds:
             _finite_nonneg(r, "span grid seconds")
-        self.lq = [math.log(q) for q in queries]
-        self.lp = [math.log(p + self.SHIFT) for p in prefixes]
-        # per pair of the shape each cell timed (`contexts`: a cell past the model's context was
-        # timed at its largest, q + p cut to it)
         ctx = contexts or [[q + p for p in prefixes] for q in queries]
         if len(ctx) != len(queries) or any(len(r) != len(prefixes) for r in ctx) or \
                 any(not q <= c for r, q in zip(ctx, queries) for c in r):
             raise ValueError("span grid: context must be [len(queries)][len(prefix)], each at least its queries")
-        self.per_pair = [[t / _span_score_elements(q, c) for t, c in zip(ts, cs)]
-                         for ts, cs, q in zip(seconds, ctx, queries)]
+        self.q = [int(q) for q in queries]
+        self.lq = [math.log(q) for q in queries]
+        self.rows: list[tuple[list[float], list[float]]] = []  # per row: (prefixes timed, seconds)
+        for q, ts, cs in zip(queries, seconds, ctx):
+            pts: dict[float, float] = {}
+            for t, c in zip(ts, cs):  # cells cut to the model's context share a prefix: keep the least
+                pts[c - q] = min(t, pts.get(c - q, math.inf))
+            xs = sorted(pts)
+            ys = [pts[x] for x in xs]
+            for k in range(len(ys) - 2, -1, -1):
+                ys[k] = min(ys[k], ys[k + 1])
+            self.rows.append((xs, ys))
+        # the time each query adds per cached token, past a row's last cell: its last segment's,
+        # or (a row cut to one prefix) the nearest row's with two
+        slopes = [(ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) / q if len(xs) > 1 else None
+                  for q, (xs, ys) in zip(self.q, self.rows)]
+        if all(v is None for v in slopes):
+            raise ValueError("span grid: needs at least two prefixes timed")
+        self.slope = [v if v is not None else next(slopes[k] for k in sorted(range(len(slopes)), key=lambda k: abs(k - i))
+                                                   if slopes[k] is not None)
+                      for i, v in enumerate(slopes)]
+
+    def _row(self, i: int, pre: float) -> float:
+        xs, ys = self.rows[i]
+        if pre <= xs[0]:
+            return ys[0]
+        if pre >= xs[-1]:
+            return ys[-1] + self.slope[i] * self.q[i] * (pre - xs[-1])
+        k = bisect.bisect_right(xs, pre)
+        w = (pre - xs[k - 1]) / (xs[k] - xs[k - 1])
+        return (1 - w) * ys[k - 1] + w * ys[k]
 
     def __call__(self, q: int, ctx: int) -> float:
+        if not (math.isfinite(q) and math.isfinite(ctx)):
+            raise ValueError(f"span grid: queries and context must be finite (got {q}, {ctx})")
         if q <= 0:
             return 0.0
-        pre = max(0, ctx - q)
-        i0, i1, wq = Grid._bracket(self.lq, math.log(q))
-        j0, j1, wp = Grid._bracket(self.lp, math.log(pre + self.SHIFT))
-        g = self.per_pair
-        top = (1 - wp) * g[i0][j0] + wp * g[i0][j1]
-        bot = (1 - wp) * g[i1][j0] + wp * g[i1][j1]
-        return ((1 - wq) * top + wq * bot) * _span_score_elements(q, max(ctx, q))
+        pre = max(0.0, ctx - q)
+        if q <= self.q[0]:
+            return self._row(0, pre) * q / self.q[0]
+        if q >= self.q[-1]:
+            top = self.q[-1]
+            return self._row(len(self.q) - 1, pre) * _span_score_elements(q, q + pre) / _span_score_elements(top, top + pre)
+        i1 = bisect.bisect_right(self.lq, math.log(q))
+        i0 = i1 - 1
+        w = (math.log(q) - self.lq[i0]) / (self.lq[i1] - self.lq[i0])
+        return ((1 - w) * self._row(i0, pre) / self.q[i0] + w * self._row(i1, pre) / self.q[i1]) * q
 
 
 class StepModel:
@@ -284,8 +317,11 @@ class MeasuredModel(StepModel):
         self.dec_grid = Grid(g["rows"], g["context"], g["seconds"]) if g else None
         self.dec = _finite_nonneg(att["decode"]["fit"], "attention decode fit")
         self.span = _finite_nonneg(att["span"]["fit"], "attention span fit")
-        sg = att["span"].get("grid")  # profiles before the span grid have only the fit
-        self.span_grid = SpanGrid(sg["queries"], sg["prefix"], sg["seconds"], sg.get("context")) if sg else None
+        # profiles before the span grid have only the fit, and so do probes of a context under 256
+        # tokens made before the grid's second column was ensured (one prefix: no slope to go on)
+        sg = att["span"].get("grid")
+        self.span_grid = (SpanGrid(sg["queries"], sg["prefix"], sg["seconds"], sg.get("context"))
+                          if sg and len(sg.get("prefix") or ()) > 1 else None)
         self.ovh = _finite_nonneg(profile["overhead"]["fit"], "overhead fit")
         for name, f in (("attention decode fit", self.dec), ("attention span fit", self.span),
                         ("overhead fit", self.ovh)):

@@ -274,31 +274,42 @@ def test_decode_attention_grid():
 
 
 def test_span_attention_grid():
-    """A prefill chunk's attention from the probe's (queries, cached prefix) grid: its cells exact,
-    bilinear in (log q, log(prefix + 16)) on the time per query-key pair between them, the edge's
-    per pair outside, a cell timed at a shorter context (past the model's) taken at it; a profile
-    without the grid keeps its fit; bad grids refused."""
+    """A prefill chunk's attention from the probe's (queries, cached prefix) grid: its cells exact;
+    along the prefix linear in the cached tokens, past the last cell on that slope; across rows the
+    time per query interpolated in log q, proportional to q below the smallest row, per query-key
+    pair past the largest; never falling as the prefix grows (a break-it round found a 4-query span
+    at prefix 64 put at 12x its time, between a prefix-0 cell of mostly fixed cost and prefix 256).
+    A profile without the grid, or with one prefix only, keeps its fit; bad grids are refused."""
     from mixserve.plan.step_time import SpanGrid, _span_score_elements as pairs
 
-    secs = [[4e-6, 40e-6], [20e-6, 400e-6]]
-    g = SpanGrid([4, 16], [0, 240], secs)
-    assert g(4, 4) == pytest.approx(4e-6) and g(16, 256) == pytest.approx(400e-6)  # cells exact
-    pp = [[secs[0][0] / pairs(4, 4), secs[0][1] / pairs(4, 244)],
-          [secs[1][0] / pairs(16, 16), secs[1][1] / pairs(16, 256)]]
-    assert g(8, 8 + 48) == pytest.approx(sum(map(sum, pp)) / 4 * pairs(8, 56))  # the centre: log 8, log(48 + 16)
-    assert g(2, 500) == pytest.approx(pp[0][1] * pairs(2, 500))  # beyond both edges: the corner's per pair
+    secs = [[4e-6, 36e-6], [20e-6, 400e-6]]
+    g = SpanGrid([4, 16], [0, 256], secs)
+    assert g(4, 4) == pytest.approx(4e-6) and g(16, 16 + 256) == pytest.approx(400e-6)  # cells exact
+    assert g(4, 4 + 64) == pytest.approx(4e-6 + 32e-6 / 4)  # a quarter of the way along the prefix
+    assert g(4, 4 + 512) == pytest.approx(36e-6 + 32e-6)  # past the last cell: on the last segment's slope
+    assert g(8, 8) == pytest.approx((0.5 * 4e-6 / 4 + 0.5 * 20e-6 / 16) * 8)  # per query, halfway in log q
+    assert g(2, 2 + 256) == pytest.approx(36e-6 / 2)  # below the smallest row: its time per query
+    assert g(32, 32 + 256) == pytest.approx(400e-6 * pairs(32, 288) / pairs(16, 272))  # past the largest: per pair
+    assert all(g(5, 5 + a) <= g(5, 5 + b) for a, b in [(0, 10), (10, 100), (100, 300), (300, 2000)])
     assert g(0, 10) == 0.0
-    cut = SpanGrid([4, 16], [0, 240], secs, contexts=[[4, 200], [16, 256]])
-    assert cut(4, 244) == pytest.approx(40e-6 / pairs(4, 200) * pairs(4, 244))
+    with pytest.raises(ValueError, match="finite"):
+        g(float("nan"), 10)
+    noisy = SpanGrid([4, 16], [0, 256], [[50e-6, 36e-6], [20e-6, 400e-6]])  # a disturbed prefix-0 cell
+    assert noisy(4, 4) == pytest.approx(36e-6)  # lowered to the larger prefix's time
+    cut = SpanGrid([4, 16], [0, 256], secs, contexts=[[4, 200], [16, 16]])  # 16 queries cut to prefix 0
+    assert cut(4, 4 + 196) == pytest.approx(36e-6)  # the cell at the prefix it was timed at
+    assert cut(16, 16 + 98) == pytest.approx(20e-6 + 32e-6 / 196 / 4 * 16 * 98)  # row 4's slope per query
     prof = fake_profile()
     old = MeasuredModel(CFG, prof).span_attention_time(16, 256)
     assert old == pytest.approx(10e-6 + 1e-9 * pairs(16, 256))  # the fit, without a grid
-    prof["attention"]["span"]["grid"] = {"queries": [4, 16], "prefix": [0, 240], "seconds": secs}
-    assert MeasuredModel(CFG, prof).span_attention_time(16, 256) == pytest.approx(400e-6)
+    prof["attention"]["span"]["grid"] = {"queries": [4, 16], "prefix": [0], "seconds": [[4e-6], [20e-6]]}
+    assert MeasuredModel(CFG, prof).span_attention_time(16, 256) == pytest.approx(old)  # one prefix: the fit
+    prof["attention"]["span"]["grid"] = {"queries": [4, 16], "prefix": [0, 256], "seconds": secs}
+    assert MeasuredModel(CFG, prof).span_attention_time(16, 272) == pytest.approx(400e-6)
     with pytest.raises(ValueError, match="span grid"):
-        SpanGrid([4, 16], [0], secs)
+        SpanGrid([4, 16], [0], [[1e-6], [2e-6]])
     with pytest.raises(ValueError, match="span grid"):
-        SpanGrid([4, 16], [0, 240], secs, contexts=[[2, 244], [16, 256]])
+        SpanGrid([4, 16], [0, 256], secs, contexts=[[2, 244], [16, 256]])
 
 
 def test_a_self_contradicting_profile_is_flagged(tmp_path):

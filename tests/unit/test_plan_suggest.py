@@ -203,7 +203,7 @@ def test_hw_probe_of_a_gguf_model_predicts_its_native_steps_from_the_gguf_tables
     assert prof["overhead"]["format"] == "gguf"
     # prefill attention on its (queries, cached prefix) grid, within the probed context
     g = prof["attention"]["span"]["grid"]
-    assert g["queries"] == [4, 16, 64] and g["prefix"] == [0] and all(c <= 64 for r in g["context"] for c in r)
+    assert g["queries"] == [4, 16, 64] and g["prefix"] == [0, 32] and all(c <= 64 for r in g["context"] for c in r)
     # attention timed as the invariant engine runs it: every row, prefill ones too, on the paged kernel
     assert prof["attention"]["invariant"] is True and prof["attention"]["decode"]["kernel"].startswith("paged")
     assert {p["seqs"] for p in prof["overhead"]["points"]} >= {1, 64}
