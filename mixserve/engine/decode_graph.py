@@ -69,8 +69,16 @@ def max_graph_rows(model, limit: int) -> int:
 def _weight_guards_dropped(entries) -> list[bool]:
     """Dynamo's guards without those on the model's weights (named `self.<module path>` in the
     entries it passes): they re-check every weight tensor on every call, and the weights do not
-    change once the kernels are chosen, which is before a graph is made. Guards on the inputs, the shapes and the KV caches
-    (rebound when another engine shares the model) stay."""
+    change once the kernels are chosen, which is before a graph is made. Guards on the inputs, the
+    shapes and the KV caches (rebound when another engine shares the model) stay. Only in the
+    graph's own frame (its `self` the model, its code this graph's copy, `_own_function`): a frame
+    after a graph break (an int4 layer's) runs code every model of the process shares, and without
+    its weights' guards a second engine of another dtype ran the first one's compiled code (wrong
+    tokens, or non-finite logits; a break-it round) - those frames keep every guard."""
+    own = any(e.name in ("self", "L['self']") and e.has_value and callable(getattr(e.value, "decode", None))
+              for e in entries)
+    if not own:
+        return [True] * len(entries)
     return [not (e.guard_type == "TENSOR_MATCH" and e.name.startswith(("self.", "L['self']"))
                  and "_cache" not in e.name) for e in entries]
 

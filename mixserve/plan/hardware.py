@@ -607,7 +607,7 @@ def probe(model: str, rows: list[int] | None = None, formats: tuple[str, ...] | 
         raise ValueError("rows: give positive row counts, e.g. 1,2,4,...,512")
     r = resolve_model(model)
     dev = resolve_device(device)
-    formats = tuple(formats) if formats is not None else default_probe_formats(r, dev)
+    formats = tuple(dict.fromkeys(formats)) if formats is not None else default_probe_formats(r, dev)  # once each
     bad = [f for f in formats if f not in ("bf16", "int4", "gguf")]
     if bad:
         raise ValueError(f"formats: unknown {bad}; use bf16, int4 and/or gguf")

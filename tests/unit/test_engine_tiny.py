@@ -730,3 +730,24 @@ def test_a_graph_break_in_the_decode_graph_is_said(tiny, reference, monkeypatch,
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode graph:")
             and "graph break" in r.getMessage()]
     assert said, [r.getMessage() for r in caplog.records]
+
+
+def test_int4_engines_of_two_dtypes_in_one_process_each_run_their_own_graph(tmp_path):
+    """An int4 model's decode graph breaks at its layers, whose frames run code shared by every
+    model of the process: with their weights' guards dropped, a bfloat16 engine after a float32 one
+    ran the float32 engine's compiled layers (non-finite logits; the other order gave wrong tokens,
+    a break-it round). Each engine's compiled steps give its own eager tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 initializer_range=0.3)).save_pretrained(tmp_path / "q")
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kw = dict(quantization="rtn", quant_group_size=64, kv_cache_memory="16MiB", progress=False)
+    for dtype in ("float32", "bfloat16"):
+        compiled = LLM(str(tmp_path / "q"), dtype=dtype, kernels="decode_graph=compiled", **kw)
+        got = compiled.generate([[1, 2, 3]], sp)[0]
+        assert compiled.engine.runner.graph.num_steps > 0
+        want = LLM(str(tmp_path / "q"), dtype=dtype, kernels="eager", **kw).generate([[1, 2, 3]], sp)[0]
+        assert (got.finish_reason, got.token_ids) == (want.finish_reason, want.token_ids), dtype
