@@ -171,11 +171,10 @@ class SpanGrid:
         # or (a row cut to one prefix) the nearest row's with two
         slopes = [(ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) / q if len(xs) > 1 else None
                   for q, (xs, ys) in zip(self.q, self.rows)]
-        if all(v is None for v in slopes):
+        known = [i for i, v in enumerate(slopes) if v is not None]
+        if not known:
             raise ValueError("span grid: needs at least two prefixes timed")
-        self.slope = [v if v is not None else next(slopes[k] for k in sorted(range(len(slopes)), key=lambda k: abs(k - i))
-                                                   if slopes[k] is not None)
-                      for i, v in enumerate(slopes)]
+        self.slope = [slopes[min(known, key=lambda k: abs(k - i))] for i in range(len(slopes))]
 
     def _row(self, i: int, pre: float) -> float:
         xs, ys = self.rows[i]
