@@ -118,7 +118,7 @@ def _load():
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::gguf_matmul")(
-                lambda x, lo, hi, d, sc, dm, mn, N, G, S, HB, z, levels=2, prefetch=0:
+                lambda x, lo, hi, d, sc, dm, mn, N, G, S, HB, z, levels=2, prefetch=0, many=0:
                 x.new_empty(x.shape[0], N, dtype=torch.float32))
             torch.library.register_fake("mixserve::gguf_dequant")(
                 lambda lo, hi, d, sc, dm, mn, N, G, S, HB, z, rows, all_rows, out: None)
@@ -134,6 +134,43 @@ def available() -> bool:
 # int16 activation rows (a row is one, or two for the LM head's float32 logits) run by the few-row
 # kernel's streaming passes, 4 rows a pass, before the many-row kernel (the C++ g_wide_rows' default)
 DEFAULT_WIDE_ROWS = 8
+
+
+def amx_built() -> bool:
+    """Whether the loaded kernel holds its AMX-INT8 many-row variant (built where the compiler
+    targets AMX-TILE and AMX-INT8 with AVX512-VNNI: -march=native on an AMX CPU)."""
+    return _load() is not None and int(torch.ops.mixserve.gguf_amx(-1)) >= 0
+
+
+def set_amx(on: bool) -> bool:
+    """Allow (on) or forbid the many-row kernel's AMX-INT8 variant, for the weights that ask for it
+    (GGUFWeight.many, chosen by timing: gguf_linear.choose); returns the setting before. Both
+    variants give the same bits (layers/gguf_src.py). The caller allows it only where the process
+    may use AMX (kernel_choice.amx_permitted: Linux grants AMX's state per process; an AMX
+    instruction without it kills the process). Raises RuntimeError where amx_built() is false and
+    `on` is asked for."""
+    if on and not amx_built():
+        raise RuntimeError("the native GGUF kernel here has no AMX-INT8 variant")
+    if _load() is None:
+        return False
+    return int(torch.ops.mixserve.gguf_amx(int(bool(on)))) > 0
+
+
+def enable_amx() -> bool:
+    """Allow the AMX-INT8 many-row variant where it is built, no ISA is forced and the process may
+    use AMX (kernel_choice.amx_permitted, which asks Linux for AMX's state); True where it is now
+    allowed."""
+    from mixserve.layers.kernel_choice import amx_permitted
+
+    if forced_isa() == "avx2" or not amx_built() or not amx_permitted():
+        return False
+    set_amx(True)
+    return True
+
+
+def amx_allowed() -> bool:
+    """Whether the AMX-INT8 many-row variant is allowed in this process (enable_amx, set_amx)."""
+    return _load() is not None and int(torch.ops.mixserve.gguf_amx(-1)) > 0
 
 
 def set_wide_rows(n: int) -> int:

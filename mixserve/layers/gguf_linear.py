@@ -97,6 +97,9 @@ class GGUFWeight:
         # the few-row kernel's software prefetch, in 64-byte lines ahead of its stream (0: the
         # hardware's prefetch alone), chosen by timing
         self.prefetch = 0
+        # the many-row kernel's variant: 0 AVX512-VNNI, 1 AMX-INT8 tiles (where gguf_kernels allows
+        # them; else 0's), chosen by timing; the same bits either way
+        self.many = 0
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
 
@@ -185,7 +188,7 @@ class GGUFWeight:
         32 channels to `levels` int8 levels (1-4; two make one int16 row, layers/gguf_src.py). float32
         and bfloat16 go in as they are (the kernel widens bfloat16 exactly: no float32 copy)."""
         x = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        return torch.ops.mixserve.gguf_matmul(x.contiguous(), *self._args(), levels, self.prefetch)
+        return torch.ops.mixserve.gguf_matmul(x.contiguous(), *self._args(), levels, self.prefetch, self.many)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,7 +355,7 @@ def clone_weight(w: GGUFWeight) -> GGUFWeight:
     """A copy of `w` with its own tensors (timing on copies that rotate past the cache)."""
     c = GGUFWeight(w.qtype, w.out_features, w.in_features, {m: getattr(w, m).clone() for m in GGUFWeight.TENSORS},
                    w.group, w.superblock, w.hb, w.zero)
-    c.prefetch = w.prefetch
+    c.prefetch, c.many = w.prefetch, w.many
     return c
 
 
@@ -362,7 +365,7 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
 
     base = [random_weight(p.qtype, p.out_features, p.in_features) for p in lin.parts]
     for b, p in zip(base, lin.parts):
-        b.prefetch = p.prefetch
+        b.prefetch, b.many = p.prefetch, p.many
 
     def make():
         m = GGUFLinear([clone_weight(b) for b in base], None, lin.dtype)
@@ -395,6 +398,33 @@ def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
             return time_calls(mods, lambda m: m(x))
         return run
     return {str(pf): timer(pf) for pf in PREFETCH_LINES}
+
+
+# the `gguf_many` candidates (GGUFWeight.many): the many-row kernel's variants, and the rows it is timed at
+# (a prefill chunk's order of size)
+MANY_VARIANTS = {"vnni": 0, "amx": 1}
+MANY_ROWS = 256
+
+
+def many_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice's `gguf_many` choice, where the AMX-INT8 variant is allowed
+    (gguf_kernels.amx_allowed): seconds per MANY_ROWS-row call of the native kernel on random
+    weights of w's type and shape, its many-row kernel on AVX512-VNNI and on AMX tiles."""
+    from mixserve.layers.kernel_choice import time_calls
+
+    mods: list = []
+
+    def timer(v):
+        def run():
+            if not mods:
+                mods[:] = _copies(GGUFLinear([w], None, dtype))
+            x = torch.randn(MANY_ROWS, w.in_features).to(dtype)
+            for m in mods:
+                m.parts[0].many = v
+                m.dense_rows = m.float_dense_rows = None
+            return time_calls(mods, lambda m: m(x))
+        return run
+    return {name: timer(v) for name, v in MANY_VARIANTS.items()}
 
 
 # the native kernel's generation in the row switches' cache keys (issue 43's 16-row panels)
@@ -440,9 +470,14 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
     machine and cached, layers/kernel_choice.py); switches=False (batch-invariant mode) leaves
     the row switches off: the integer kernel at every row count."""
     dt = str(lin.dtype).removeprefix("torch.")
+    amx = gguf_kernels.enable_amx()  # where built, permitted and no ISA forced (engine and `hw probe` alike)
     for p in lin.parts:
         p.prefetch = int(chooser.choose(f"gguf_prefetch/{p.qtype}/{p.out_features}x{p.in_features}",
                                         prefetch_candidates(p, lin.dtype), "0"))
+        # the AMX variant where allowed: timed against AVX512-VNNI per type and shape (it loses on
+        # Q6_K, whose 16-channel groups fill a quarter of a tile's depth)
+        p.many = MANY_VARIANTS[chooser.choose(f"gguf_many/{p.qtype}/{p.out_features}x{p.in_features}",
+                                              many_candidates(p, lin.dtype), "vnni")] if amx else 0
     # the kernel's layout in the key: a new kernel (its row curve) is timed again, not read from the cache
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}/{KERNEL_KEY}"
     if not switches:
@@ -463,9 +498,10 @@ def summarize(model: nn.Module) -> str | None:
     for m in model.modules():
         if isinstance(m, GGUFLinear):
             for p in m.parts:
-                d = per.setdefault(p.qtype, {"n": 0, "pf": set(), "rows": set(), "head": False})
+                d = per.setdefault(p.qtype, {"n": 0, "pf": set(), "rows": set(), "head": False, "amx": 0})
                 d["n"] += 1
                 d["pf"].add(p.prefetch)
+                d["amx"] += p.many == 1 and gguf_kernels.amx_allowed()
                 d["rows"].add(m.float_dense_rows if m.float_out else m.dense_rows)
                 d["head"] |= m.float_out
     if not per:
@@ -480,6 +516,9 @@ def summarize(model: nn.Module) -> str | None:
         where = (f"below {span(rows)} rows, dense GEMM from there" if rows and None not in d["rows"]
                  else "at every row count" if not rows else f"below {span(rows)} rows or at every row count")
         passes = f"prefetch {span(d['pf'])} lines ahead"
+        if d["amx"]:
+            on = "" if d["amx"] == d["n"] else f" for {d['amx']}"
+            passes += f"; many rows on AMX tiles{on}"
         out.append(f"{t} x{d['n']}{' (with the LM head)' if d['head'] else ''}: integer kernel {where} "
                    f"({passes})")
     return "; ".join(out)

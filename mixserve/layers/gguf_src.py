@@ -52,11 +52,28 @@ SRC = r"""
 #if defined(GGUF_VNNI) || defined(GGUF_AVX2)
 #define GGUF_NATIVE 1
 #endif
+#if defined(GGUF_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define GGUF_AMX 1
+#endif
 
 // int16 activation rows run by streaming passes through the weights (the few-row kernel, up to
 // 4 rows a pass) before the many-row kernel; gguf_wide_rows(n) sets it (n >= 1; else only reads it)
 // and returns the value before (both give the same bits)
 static int64_t g_wide_rows = 8;
+// whether the many-row kernel may run on AMX-INT8 tiles (built where the compiler targets AMX; the
+// caller allows it only where the process may use AMX, Linux's per-process permission), for the
+// weights whose `many` asks for it: gguf_amx(1 / 0) sets it, -1 only reads; returns the value
+// before, or -1 where this build has no AMX kernel
+static bool g_amx = false;
+int64_t amx(int64_t n) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const bool old = g_amx;
+  if (n >= 0) g_amx = n > 0;
+  return old;
+#else
+  return -1;
+#endif
+}
 
 int64_t wide_rows(int64_t n) {
   const int64_t old = g_wide_rows;
@@ -107,6 +124,9 @@ struct Act {
   int64_t RQ = 0, K = 0, ng = 0;
   std::vector<int16_t> x16;        // [RQ, K] (not written where the VNNI many-row kernel runs: it reads xp)
   std::vector<int8_t> x1, x2;      // [RQ, K] the two bytes (the few-row kernel's; empty otherwise)
+  // the AMX kernel's copy of the two bytes: rows in blocks of 16, per block and group [16 rows][2G]
+  // (x1's G bytes, then x2's), the last block's rows past RQ zero
+  std::vector<int8_t> xa;
   std::vector<float> e, xs;        // [RQ, K/32] scales; [RQ, ng] e * sum of x16 over the group
   std::vector<int32_t> gs;         // [RQ, ng] sum of x16 over the group
   // the many-row kernel's copy of x16: rows in blocks of PACK_ROWS, per block [K/2 channel pairs]
@@ -177,24 +197,36 @@ static void quantize16(const T* xr, int64_t K, bool full, int16_t* q, float* e, 
 // planes the few-row kernel broadcasts, or (packed) only the many-row kernel's copy of them (xp)
 template <typename T>
 static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t levels, bool bytes, bool packed,
-                         Act& A) {
+                         Act& A, bool amx = false) {
   const int64_t per = (levels + 1) / 2;
   // every element below is written: resize keeps a reused buffer's pages (fresh ones fault in,
   // ~20% of a 512-row call's time when allocated per call)
   A.RQ = R * per; A.K = K; A.ng = K / G;
+  // amx: the AMX kernel's copy (xa) only, rows in blocks of 16, rows RQ .. RP - 1 zeros (their
+  // scales too: the kernel runs whole blocks and stores only real rows)
+  const int64_t RP = amx ? (A.RQ + 15) / 16 * 16 : A.RQ;
   const int64_t K2 = K / 2, nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS;
   if (packed) A.xp.resize(nb * K2 * PACK_ROWS);
-  else A.x16.resize(A.RQ * K);
-  A.e.resize(A.RQ * (K / 32));
-  A.gs.resize(A.RQ * A.ng); A.xs.resize(A.RQ * A.ng);
+  else if (!amx) A.x16.resize(A.RQ * K);
+  A.e.resize(RP * (K / 32));
+  A.gs.resize(RP * A.ng); A.xs.resize(RP * A.ng);
   if (bytes) { A.x1.resize(A.RQ * K); A.x2.resize(A.RQ * K); }
+  if (amx) {
+    A.xa.resize(RP * K * 2);
+    std::fill(A.e.begin() + A.RQ * (K / 32), A.e.end(), 0.f);
+    std::fill(A.gs.begin() + A.RQ * A.ng, A.gs.end(), 0);
+    std::fill(A.xs.begin() + A.RQ * A.ng, A.xs.end(), 0.f);
+    // rows past RQ sit in the last block, among its real rows: the block is zeroed here, the real rows
+    // written below
+    if (RP > A.RQ) std::fill(A.xa.begin() + (A.RQ / 16) * 16 * K * 2, A.xa.end(), (int8_t)0);
+  }
   // rows are quantized independently, on every thread (a 512-token prefill's rows took ~0.5 s on
   // one); packed, a task is whole blocks of PACK_ROWS int16 rows (PACK_ROWS / per source rows), so
   // no two threads write one block's interleaved words
   const int64_t unit = packed ? PACK_ROWS / per : 1, units = (R + unit - 1) / unit;
   at::parallel_for(0, units, packed ? 1 : 16, [&](int64_t u0, int64_t u1) {
     std::vector<float> rest(2 * K);
-    std::vector<int16_t> own(packed ? K : 0);
+    std::vector<int16_t> own(packed || amx ? K : 0);
     std::vector<int32_t> s16(K / 16);
     for (int64_t r = u0 * unit; r < std::min(R, u1 * unit); ++r) {
       const float* src = nullptr;  // the level before's rest, from the second level on
@@ -202,7 +234,7 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
         const int64_t row = per * r + i;
         const bool full = 2 * (i + 1) <= levels;
         float* left = rest.data() + (i % 2) * K;
-        int16_t* q = packed ? own.data() : A.x16.data() + row * K;
+        int16_t* q = packed || amx ? own.data() : A.x16.data() + row * K;
         float* e = A.e.data() + row * (K / 32);
         float* keep = i + 1 < per ? left : nullptr;
         if (i == 0) quantize16(x + r * K, K, full, q, e, keep, s16.data());
@@ -217,6 +249,21 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
           const int32_t* w = (const int32_t*)q;
           int32_t* dst = A.xp.data() + (row / PACK_ROWS) * K2 * PACK_ROWS + row % PACK_ROWS;
           for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = w[t];
+        }
+        if (amx) {  // the AMX kernel's layout: per block of 16 rows and group, [16 rows][x1's G bytes, x2's G]
+          int8_t* base = A.xa.data() + (row / 16) * 16 * K * 2 + (row % 16) * 2 * G;
+          for (int64_t g = 0; g < A.ng; ++g) {
+            int8_t* d = base + g * 32 * G;
+            for (int64_t c = 0; c < G; c += 16) {
+#ifdef GGUF_VNNI
+              const __m256i v = _mm256_loadu_si256((const __m256i*)(q + g * G + c));
+              const __m256i h = _mm256_srai_epi16(_mm256_add_epi16(v, _mm256_set1_epi16(128)), 8);
+              const __m256i l = _mm256_sub_epi16(v, _mm256_slli_epi16(h, 8));
+              _mm_storeu_si128((__m128i*)(d + c), _mm256_cvtepi16_epi8(h));
+              _mm_storeu_si128((__m128i*)(d + G + c), _mm256_cvtepi16_epi8(l));
+#endif
+            }
+          }
         }
         if (bytes) {
           int8_t* b1 = A.x1.data() + row * K; int8_t* b2 = A.x2.data() + row * K;
@@ -261,7 +308,7 @@ static inline int64_t tile_panels(int64_t NP, int64_t kc) {
 
 // the int16 tile of the many-row kernels (both variants): per panel [channel pairs of the block][16
 // lanes] of (q - z) pairs, then per group the 16 lanes' s and m; one per thread, kept between calls
-struct Tile { std::vector<int32_t> W; std::vector<float> S, M; };
+struct Tile { std::vector<int32_t> W; std::vector<float> S, M; std::vector<uint8_t> Q; };
 
 static Tile& thread_tile() {
   static thread_local Tile T;  // every element a call uses is written by its fill_tile
@@ -274,8 +321,8 @@ static Tile& thread_tile() {
 // and 1 MB 294, 302 and 297, 512 KB 278; the gate+up (K 896) ~400 either way
 static constexpr int64_t CHUNK_BYTES = 2 << 20;
 
-static inline int64_t row_chunk(int64_t K, int64_t RQ) {
-  const int64_t rc = std::max<int64_t>(1, CHUNK_BYTES / (2 * K) / 6) * 6;
+static inline int64_t row_chunk(int64_t K, int64_t RQ, int64_t unit = 6) {
+  const int64_t rc = std::max<int64_t>(1, CHUNK_BYTES / (2 * K) / unit) * unit;
   return std::min<int64_t>(rc, RQ);
 }
 
@@ -283,11 +330,12 @@ static inline int64_t row_chunk(int64_t K, int64_t RQ) {
 // own tiles), fill(T, p0, np, g0, g1) unpacks the tile's block, then rows(T, p0, np, g0, g1, q0, q1)
 // runs the chunk's activation rows q0 .. q1 - 1 against it: the chunk's activations stay in cache
 // across the thread's tiles (all rows at once re-read every row from memory for every tile)
-template <typename Fill, typename Rows>
-static void over_tiles(const Layout& L, int64_t RQ, Fill&& fill, Rows&& rows) {
-  const int64_t kc = block_channels(L.K), TP = tile_panels(L.NP, kc), kg = kc / L.G, RC = row_chunk(L.K, RQ);
+template <typename Fill, typename Rows, typename Begin>
+static void over_tiles(const Layout& L, int64_t RQ, Fill&& fill, Rows&& rows, int64_t unit, Begin&& begin) {
+  const int64_t kc = block_channels(L.K), TP = tile_panels(L.NP, kc), kg = kc / L.G, RC = row_chunk(L.K, RQ, unit);
   at::parallel_for(0, (L.NP + TP - 1) / TP, 1, [&](int64_t t0, int64_t t1) {
     Tile& T = thread_tile();
+    auto done = begin();  // a thread's set-up (AMX: its tile configuration), undone when the task ends
     T.W.resize(TP * (kc / 2) * 16); T.S.resize(TP * kg * 16); T.M.resize(TP * kg * 16);
     for (int64_t q0 = 0; q0 < RQ; q0 += RC) {
       const int64_t q1 = std::min<int64_t>(RQ, q0 + RC);
@@ -300,7 +348,13 @@ static void over_tiles(const Layout& L, int64_t RQ, Fill&& fill, Rows&& rows) {
         }
       }
     }
+    done();
   });
+}
+
+template <typename Fill, typename Rows>
+static void over_tiles(const Layout& L, int64_t RQ, Fill&& fill, Rows&& rows) {
+  over_tiles(L, RQ, fill, rows, 6, [] { return [] {}; });
 }
 
 
@@ -694,6 +748,165 @@ static void many(const Layout& L, const Act& A, float* y) {
     });
 }
 
+#ifdef GGUF_AMX
+// The AMX-INT8 many-row kernel: the same integers and float steps as few(), so the same bits. Per
+// group, tdpbsud multiplies 16 activation rows' signed bytes (A: 16 x G, one tile per byte level)
+// by a panel's unsigned integers in step order (B: G/4 rows x 64 bytes, row s holding the 16 weight
+// rows' channels 4s .. 4s + 3: panel_steps' order is AMX's VNNI layout), giving 16 x 16 int32 sums
+// per level; isum = 256 * sum(q * x1) + sum(q * x2) (- z * sum(x16)) as few() forms it, then its
+// float steps per activation row, 16 weight rows a vector.
+struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+// tmm0, tmm1: 16 activation rows x G bytes (the two levels); tmm2, tmm3: a panel's group (G/4 x 64);
+// tmm4 .. tmm7: 16 x 16 int32 sums. Per thread: a task's first act (AMX's state is the thread's)
+static void amx_configure(int64_t G) {
+  alignas(64) TileConfig c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 2; ++t) { c.rows[t] = 16; c.colsb[t] = (uint16_t)G; }
+  for (int t = 2; t < 4; ++t) { c.rows[t] = (uint8_t)(G / 4); c.colsb[t] = 64; }
+  for (int t = 4; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// panels p0 .. p0 + np - 1, groups g0 .. g1 - 1 into the tile's bytes: per panel, per group its G/4
+// steps x 64 bytes of q - z as signed bytes (Q8_0's q - 128 included; the offset types' z is 0 and
+// their q < 16), then per group the lanes' s and m
+template <int G, int HB>
+static void fill_amx(const Layout& L, Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+  const int64_t nbg = g1 - g0;
+  const __m512i zz = _mm512_set1_epi8((char)L.z);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t p = p0 + i;
+    const uint8_t* lo = L.lo + p * L.lpp;
+    const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* lg = lo + g * (G / 8) * 64;
+      const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
+      const __m512i hv = (HB == 1 || HB == 2) ? _mm512_loadu_si512(hg) : _mm512_setzero_si512();
+      uint8_t* st = T.Q.data() + (i * nbg + g - g0) * 16 * G;
+      for (int64_t j = 0; j < G / 8; ++j) {
+        __m512i qa, qb;
+        unpack<G, HB>(lg, hg, hv, j, qa, qb);
+        _mm512_storeu_si512(st + j * 64, _mm512_sub_epi8(qa, zz));
+        _mm512_storeu_si512(st + (j + G / 8) * 64, _mm512_sub_epi8(qb, zz));
+      }
+      __m512 s, m;
+      scales16(L, p, g, s, m);
+      _mm512_storeu_ps(T.S.data() + (i * nbg + g - g0) * 16, s);
+      _mm512_storeu_ps(T.M.data() + (i * nbg + g - g0) * 16, m);
+    }
+  }
+}
+
+// one group's integer sums for 16 activation rows x NP2 panels: the two levels' activation tiles
+// (tmm0, tmm1) against each panel's bytes (tmm2, tmm3), into tmm4 .. tmm7, stored to c[panel][level][256]
+template <int G, int NP2>
+static inline void amx_sums(const int8_t* a, const uint8_t* b0, const uint8_t* b1, int32_t* c) {
+  _tile_loadd(0, a, 2 * G);
+  _tile_loadd(1, a + G, 2 * G);
+  _tile_loadd(2, b0, 64);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_dpbssd(4, 0, 2);
+  _tile_dpbssd(5, 1, 2);
+  if constexpr (NP2 == 2) {
+    _tile_loadd(3, b1, 64);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_dpbssd(6, 0, 3);
+    _tile_dpbssd(7, 1, 3);
+  }
+  _tile_stored(4, c, 64);
+  _tile_stored(5, c + 256, 64);
+  if constexpr (NP2 == 2) {
+    _tile_stored(6, c + 512, 64);
+    _tile_stored(7, c + 768, 64);
+  }
+}
+
+// one group's float steps for activation rows r0 .. r0 + 15 and one panel, from its sums c[level][256],
+// the accumulators in f[16][16]
+template <int G>
+static inline void amx_float(const Layout& L, const Tile& T, int64_t at, const Act& A, int64_t r0, int64_t g,
+                             const int32_t* c, float* f) {
+  const int64_t ng = L.ng, nk = L.K / 32;
+  const __m512 s = _mm512_loadu_ps(T.S.data() + at * 16);
+  const float* e = A.e.data() + r0 * nk + g * G / 32;
+  if (L.dm != nullptr) {
+    const __m512 m = _mm512_loadu_ps(T.M.data() + at * 16);
+    const float* xs = A.xs.data() + r0 * ng + g;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 8),
+                                          _mm512_load_si512(c + 256 + 16 * r));
+      __m512 F = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ng]), _mm512_load_ps(f + 16 * r));
+      F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r * nk])), F);
+      _mm512_store_ps(f + 16 * r, F);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 8),
+                                          _mm512_load_si512(c + 256 + 16 * r));
+      const __m512 F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r * nk])),
+                                       _mm512_load_ps(f + 16 * r));
+      _mm512_store_ps(f + 16 * r, F);
+    }
+  }
+}
+
+// 16 activation rows (r0 .. r0 + 15; rows past RQ are quantize_act's zero padding, not stored) x
+// panels i, i + 1 of the tile (NP2 of them), groups g0 .. g1 - 1 (the accumulators start at zero, or
+// from y). Software-pipelined: group g's sums are issued to the tile unit before group g - 1's float
+// steps run on the vector units, into the other of two buffers
+template <int G, int NP2>
+static void amx_panels(const Layout& L, const Tile& T, int64_t i, int64_t nbg, const Act& A, int64_t r0, int64_t rr,
+                       float* y, int64_t p, int64_t g0, int64_t g1) {
+  const int64_t K = L.K;  // a block of 16 rows holds 16 * 2K bytes
+  alignas(64) float f[NP2][256];
+  __mmask16 k[NP2];
+  for (int c = 0; c < NP2; ++c) {
+    const int64_t left = L.N - 16 * (p + c);
+    k[c] = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int r = 0; r < 16; ++r)
+      _mm512_store_ps(f[c] + 16 * r, (g0 == 0 || r >= rr) ? _mm512_setzero_ps()
+                                      : _mm512_maskz_loadu_ps(k[c], y + (r0 + r) * L.N + 16 * (p + c)));
+  }
+  alignas(64) int32_t cs[2][NP2 * 512];
+  const int8_t* a = A.xa.data() + r0 * K * 2;  // r0 starts a block of 16 rows; group g at a + g * 32G
+  const uint8_t* q0 = T.Q.data() + i * nbg * 16 * G;
+  const uint8_t* q1 = q0 + nbg * 16 * G;
+  amx_sums<G, NP2>(a + g0 * 32 * G, q0, q1, cs[0]);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t u = g - g0;
+    if (g + 1 < g1) amx_sums<G, NP2>(a + (g + 1) * 32 * G, q0 + (u + 1) * 16 * G, q1 + (u + 1) * 16 * G, cs[(u + 1) & 1]);
+    for (int c = 0; c < NP2; ++c) amx_float<G>(L, T, (i + c) * nbg + u, A, r0, g, cs[u & 1] + 512 * c, f[c]);
+  }
+  for (int c = 0; c < NP2; ++c)
+    for (int r = 0; r < 16 && r < rr; ++r)
+      _mm512_mask_storeu_ps(y + (r0 + r) * L.N + 16 * (p + c), k[c], _mm512_load_ps(f[c] + 16 * r));
+}
+
+template <int G, int HB>
+static void many_amx(const Layout& L, const Act& A, float* y) {
+  over_tiles(L, A.RQ,
+    [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1) {
+      T.Q.resize(T.W.size() * 4 / 2);  // int8 where the int16 tile holds (q - z) pairs: half its bytes
+      fill_amx<G, HB>(L, T, p0, np, g0, g1);
+    },
+    [&](Tile& T, int64_t p0, int64_t np, int64_t g0, int64_t g1, int64_t q0, int64_t q1) {
+      for (int64_t r0 = q0; r0 < q1; r0 += 16)
+        for (int64_t i = 0; i < np; i += 2) {
+          const int64_t rr = std::min<int64_t>(16, q1 - r0);
+          if (i + 1 < np) amx_panels<G, 2>(L, T, i, g1 - g0, A, r0, rr, y, p0 + i, g0, g1);
+          else amx_panels<G, 1>(L, T, i, g1 - g0, A, r0, rr, y, p0 + i, g0, g1);
+        }
+    },
+    16, [&] { amx_configure(G); return [] { _tile_release(); }; });
+}
+#endif  // GGUF_AMX
+
 // few() or few2() for a weight: two panels a pass where the group is 16 channels (Q6_K: twice the
 // float steps and broadcasts per byte of the 32-channel types) and K >= 4096. Timed by hand on a
 // Zen 5 EPYC, median of 30 passes over 6 copies, 1 / 2 / 3 / 4 rows against few(): Q6_K 1536 x 8960
@@ -708,7 +921,10 @@ static inline void fewp(const Layout& L, const Act& A, int64_t r0, float* y, int
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool amx) {
+#ifdef GGUF_AMX
+  if (A.RQ > wide && amx) return many_amx<G, HB>(L, A, y);
+#endif
   if (A.RQ > wide) return many<G, HB>(L, A, y);
   if (alt) {  // three levels: rows in pairs (an int16 row, its rest's int8 row)
     for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
@@ -752,7 +968,7 @@ int64_t isa_level() {
 // x float32 or bfloat16 [R, K] -> y float32 [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
                      torch::Tensor dm, torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z,
-                     int64_t levels, int64_t prefetch) {
+                     int64_t levels, int64_t prefetch, int64_t many) {
   const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
   const bool bf = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
@@ -766,15 +982,18 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   static thread_local Act A;  // kept between calls (see quantize_act)
   // read once: another thread's gguf_wide_rows between the reads would leave the planes a kernel reads unbuilt
   const int64_t wide = g_wide_rows;
+  // many 1: the many-row kernel on AMX-INT8 tiles where allowed (gguf_amx), else AVX512-VNNI
+  const bool amx = g_amx && many == 1 && R * per > wide;
 #ifdef GGUF_VNNI
-  const bool packed = R * per > wide;  // the many-row kernel reads only the packed copy
+  const bool packed = R * per > wide && !amx;  // the VNNI many-row kernel reads only the packed copy
 #else
   const bool packed = false;
 #endif
-  if (bf) quantize_act(x.data_ptr<at::BFloat16>(), R, L.K, G, levels, R * per <= wide, packed, A);
-  else quantize_act(x.data_ptr<float>(), R, L.K, G, levels, R * per <= wide, packed, A);
+  const bool bytes = R * per <= wide;
+  if (bf) quantize_act(x.data_ptr<at::BFloat16>(), R, L.K, G, levels, bytes, packed, A, amx);
+  else quantize_act(x.data_ptr<float>(), R, L.K, G, levels, bytes, packed, A, amx);
   float* yp = y.data_ptr<float>();
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide, levels == 3); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide, levels == 3, amx); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
   { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
 #undef GGUF_CASE
@@ -851,10 +1070,11 @@ void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor 
 
 TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
   lib.def("gguf_matmul(Tensor x, Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, "
-          "int S, int HB, float z, int levels=2, int prefetch=0) -> Tensor");
+          "int S, int HB, float z, int levels=2, int prefetch=0, int many=0) -> Tensor");
   lib.def("gguf_dequant(Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, int S, "
           "int HB, float z, Tensor rows, bool all_rows, Tensor(a!) out) -> ()");
   lib.def("gguf_wide_rows(int n) -> int", &wide_rows);  // no tensor to dispatch on: one kernel for all
+  lib.def("gguf_amx(int n) -> int", &amx);
 }
 TORCH_LIBRARY_IMPL(mixserve, CPU, lib) {
   lib.impl("gguf_matmul", &matmul);
@@ -1096,7 +1316,7 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool) {
   if (A.RQ > std::min<int64_t>(wide, 4)) return many<G, HB>(L, A, y);
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 2) {
     if (alt) few<2, G, HB, true>(L, A, r0, y, PF);  // RQ is even: pairs of an int16 row and an int8 row

@@ -218,6 +218,61 @@ def test_many_rows_give_each_row_the_bits_it_gets_alone(qtype):
                 assert torch.equal(y[picked], alone[:len(picked)]), (qtype, n, k, levels, rows)
 
 
+def _amx_usable() -> bool:
+    from mixserve.layers.kernel_choice import amx_permitted
+
+    return gguf_kernels.amx_built() and amx_permitted()
+
+
+@pytest.mark.skipif(not _amx_usable(), reason="the AMX-INT8 variant needs a CPU with AMX (and a build for it)")
+@pytest.mark.parametrize("qtype", TYPES)
+def test_amx_many_row_kernel_gives_each_row_the_bits_it_gets_alone(qtype):
+    """Issue 43: the many-row kernel on AMX-INT8 tiles (GGUFWeight.many = 1) gives every row the bits
+    it gets alone (the few-row kernel) and from the AVX512-VNNI many-row kernel: 9-512 rows (a
+    partial last block of 16), the engine's two levels and the LM head's three, whole and tail
+    blocks of K, and a K past one 1024-channel block (the accumulators carried between blocks)."""
+    torch.manual_seed(14)
+    old = gguf_kernels.set_amx(True)
+    try:
+        ks = [(37, 768), (19, 2304)] if qtype.endswith("_K") else [(37, 640), (19, 2080)]
+        for n, k in ks:
+            w = GGUFWeight.from_blocks(qtype, random_blocks(qtype, n, k, seed=15), k)
+            x = (torch.randn(512, k) * torch.linspace(0.1, 3, k)).bfloat16()
+            picked = [0, 6, 8, 15, 16, 63, 511]
+            for levels in (2, 3):
+                w.many = 0
+                alone = torch.cat([w.matmul(x[i:i + 1], levels=levels) for i in picked])
+                for rows in (9, 17, 64, 512):
+                    w.many = 0
+                    vnni = w.matmul(x[:rows], levels=levels)
+                    w.many = 1
+                    y = w.matmul(x[:rows], levels=levels)
+                    at = [j for j, i in enumerate(picked) if i < rows]
+                    assert torch.equal(y, vnni), (qtype, n, k, levels, rows)
+                    assert torch.equal(y[[picked[j] for j in at]], alone[at]), (qtype, n, k, levels, rows)
+    finally:
+        gguf_kernels.set_amx(old)
+
+
+def test_amx_variant_is_asked_for_only_where_it_may_run():
+    """A weight's `many` = 1 runs the VNNI many-row kernel where AMX is not allowed in the process
+    (the same bits), and allowing it where the build has no AMX variant is refused."""
+    w = GGUFWeight.from_blocks("Q4_0", random_blocks("Q4_0", 20, 256, seed=16), 256)
+    x = torch.randn(40, 256)
+    w.many = 0
+    ref = w.matmul(x, levels=2)
+    old = gguf_kernels.set_amx(False) if gguf_kernels.amx_built() else False
+    try:
+        w.many = 1
+        assert torch.equal(w.matmul(x, levels=2), ref)
+        if not gguf_kernels.amx_built():
+            with pytest.raises(RuntimeError, match="no AMX-INT8 variant"):
+                gguf_kernels.set_amx(True)
+    finally:
+        if gguf_kernels.amx_built():
+            gguf_kernels.set_amx(old)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 def test_rows_in_chunks_and_channels_in_blocks_keep_each_rows_bits(qtype):
     """The many-row kernel takes rows in chunks of ~2 MB of activations (450 rows at K = 2304) and
