@@ -127,6 +127,7 @@ struct Act {
   // the AMX kernel's copy of the two bytes: rows in blocks of 16, per block and group [16 rows][2G]
   // (x1's G bytes, then x2's), the last block's rows past RQ zero
   std::vector<int8_t> xa;
+  std::vector<float> ea, xsa;      // the AMX kernel's e and xs: per block of 16 rows [K/32 or ng][16 rows]
   std::vector<float> e, xs;        // [RQ, K/32] scales; [RQ, ng] e * sum of x16 over the group
   std::vector<int32_t> gs;         // [RQ, ng] sum of x16 over the group
   // the many-row kernel's copy of x16: rows in blocks of PACK_ROWS, per block [K/2 channel pairs]
@@ -213,6 +214,10 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
   if (bytes) { A.x1.resize(A.RQ * K); A.x2.resize(A.RQ * K); }
   if (amx) {
     A.xa.resize(RP * K * 2);
+    A.ea.resize(RP * (K / 32));
+    A.xsa.resize(RP * A.ng);
+    std::fill(A.ea.begin() + (A.RQ / 16) * 16 * (K / 32), A.ea.end(), 0.f);
+    std::fill(A.xsa.begin() + (A.RQ / 16) * 16 * A.ng, A.xsa.end(), 0.f);
     std::fill(A.e.begin() + A.RQ * (K / 32), A.e.end(), 0.f);
     std::fill(A.gs.begin() + A.RQ * A.ng, A.gs.end(), 0);
     std::fill(A.xs.begin() + A.RQ * A.ng, A.xs.end(), 0.f);
@@ -249,6 +254,12 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
           const int32_t* w = (const int32_t*)q;
           int32_t* dst = A.xp.data() + (row / PACK_ROWS) * K2 * PACK_ROWS + row % PACK_ROWS;
           for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = w[t];
+        }
+        if (amx) {  // scales per block of 16 rows, a column of 16 rows at a time
+          float* ea = A.ea.data() + (row / 16) * 16 * (K / 32) + row % 16;
+          for (int64_t j = 0; j < K / 32; ++j) ea[16 * j] = e[j];
+          float* xsa = A.xsa.data() + (row / 16) * 16 * A.ng + row % 16;
+          for (int64_t g = 0; g < A.ng; ++g) xsa[16 * g] = A.xs[row * A.ng + g];
         }
         if (amx) {  // the AMX kernel's layout: per block of 16 rows and group, [16 rows][x1's G bytes, x2's G]
           int8_t* base = A.xa.data() + (row / 16) * 16 * K * 2 + (row % 16) * 2 * G;
@@ -310,7 +321,7 @@ static inline int64_t tile_panels(int64_t NP, int64_t kc) {
 // lanes] of (q - z) pairs, then per group the 16 lanes' s and m; one per thread, kept between calls
 struct Tile { std::vector<int32_t> W; std::vector<float> S, M; std::vector<uint8_t> Q; };
 
-static Tile& thread_tile() {
+__attribute__((noinline)) static Tile& thread_tile() {  // noinline: see thread_act
   static thread_local Tile T;  // every element a call uses is written by its fill_tile
   return T;
 }
@@ -825,23 +836,21 @@ static inline void amx_sums(const int8_t* a, const uint8_t* b0, const uint8_t* b
   }
 }
 
-// one group's float steps for activation rows r0 .. r0 + 15 and one panel, from its sums c[level][256],
-// the accumulators in f[16][16]
+// one group's float steps for 16 activation rows and one panel: the panel's s (S) and, offset types,
+// m (M, else null) of the group, the rows' e and xs (16 each), its sums c[level][256], the
+// accumulators in f[16][16]
 template <int G>
-static inline void amx_float(const Layout& L, const Tile& T, int64_t at, const Act& A, int64_t r0, int64_t g,
-                             const int32_t* c, float* f) {
-  const int64_t ng = L.ng, nk = L.K / 32;
-  const __m512 s = _mm512_loadu_ps(T.S.data() + at * 16);
-  const float* e = A.e.data() + r0 * nk + g * G / 32;
-  if (L.dm != nullptr) {
-    const __m512 m = _mm512_loadu_ps(T.M.data() + at * 16);
-    const float* xs = A.xs.data() + r0 * ng + g;
+static inline void amx_float(const float* __restrict S, const float* __restrict M, const float* __restrict e,
+                             const float* __restrict xs, const int32_t* __restrict c, float* __restrict f) {
+  const __m512 s = _mm512_loadu_ps(S);
+  if (M != nullptr) {
+    const __m512 m = _mm512_loadu_ps(M);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 8),
                                           _mm512_load_si512(c + 256 + 16 * r));
-      __m512 F = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ng]), _mm512_load_ps(f + 16 * r));
-      F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r * nk])), F);
+      __m512 F = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r]), _mm512_load_ps(f + 16 * r));
+      F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r])), F);
       _mm512_store_ps(f + 16 * r, F);
     }
   } else {
@@ -849,7 +858,7 @@ static inline void amx_float(const Layout& L, const Tile& T, int64_t at, const A
     for (int r = 0; r < 16; ++r) {
       const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 8),
                                           _mm512_load_si512(c + 256 + 16 * r));
-      const __m512 F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r * nk])),
+      const __m512 F = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(e[r])),
                                        _mm512_load_ps(f + 16 * r));
       _mm512_store_ps(f + 16 * r, F);
     }
@@ -875,13 +884,21 @@ static void amx_panels(const Layout& L, const Tile& T, int64_t i, int64_t nbg, c
   }
   alignas(64) int32_t cs[2][NP2 * 512];
   const int8_t* a = A.xa.data() + r0 * K * 2;  // r0 starts a block of 16 rows; group g at a + g * 32G
+  const float* ea = A.ea.data() + r0 * (K / 32);
+  const float* xsa = A.xsa.data() + r0 * L.ng;
+  const bool off = L.dm != nullptr;
   const uint8_t* q0 = T.Q.data() + i * nbg * 16 * G;
   const uint8_t* q1 = q0 + nbg * 16 * G;
   amx_sums<G, NP2>(a + g0 * 32 * G, q0, q1, cs[0]);
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t u = g - g0;
     if (g + 1 < g1) amx_sums<G, NP2>(a + (g + 1) * 32 * G, q0 + (u + 1) * 16 * G, q1 + (u + 1) * 16 * G, cs[(u + 1) & 1]);
-    for (int c = 0; c < NP2; ++c) amx_float<G>(L, T, (i + c) * nbg + u, A, r0, g, cs[u & 1] + 512 * c, f[c]);
+    const float* e = ea + (g * G / 32) * 16;
+    const float* xs = xsa + g * 16;
+    for (int c = 0; c < NP2; ++c) {
+      const int64_t at = ((i + c) * nbg + u) * 16;
+      amx_float<G>(T.S.data() + at, off ? T.M.data() + at : nullptr, e, xs, cs[u & 1] + 512 * c, f[c]);
+    }
   }
   for (int c = 0; c < NP2; ++c)
     for (int r = 0; r < 16 && r < rr; ++r)
@@ -965,6 +982,16 @@ int64_t isa_level() {
 #endif
 }
 
+#ifdef GGUF_NATIVE
+// the calling thread's activations, kept between calls. Reached through a call the compiler keeps:
+// a thread_local named in matmul was propagated as a constant into the kernels it calls, and in a
+// shared library every use of it then called __tls_get_addr (17-38 calls in the kernels' loops)
+__attribute__((noinline)) static Act& thread_act() {
+  static thread_local Act A;
+  return A;
+}
+#endif
+
 // x float32 or bfloat16 [R, K] -> y float32 [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
                      torch::Tensor dm, torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z,
@@ -979,7 +1006,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   auto y = torch::empty({R * per, L.N}, x.options().dtype(at::kFloat));
 #ifdef GGUF_NATIVE
   if (R == 0 || L.N == 0) return y.view({R, per, L.N}).sum(1);
-  static thread_local Act A;  // kept between calls (see quantize_act)
+  Act& A = thread_act();  // kept between calls (see quantize_act)
   // read once: another thread's gguf_wide_rows between the reads would leave the planes a kernel reads unbuilt
   const int64_t wide = g_wide_rows;
   // many 1: the many-row kernel on AMX-INT8 tiles where allowed (gguf_amx), else AVX512-VNNI
