@@ -39,6 +39,7 @@ SCRATCH_MAX_ELEMENTS = 32 << 20
 # activations back.
 _LEVELS_ENV = os.environ.get("MIXSERVE_GGUF_ACT_LEVELS", "2")
 ACT_LEVELS = int(_LEVELS_ENV) if _LEVELS_ENV in ("1", "2", "3", "4") else 2
+HEAD_LEVELS = 3  # an LM head's float32 logits (forward_float)
 if _LEVELS_ENV != str(ACT_LEVELS):
     logging.getLogger("mixserve").warning("MIXSERVE_GGUF_ACT_LEVELS=%r is not 1-4: using 2", _LEVELS_ENV)
 
@@ -276,7 +277,7 @@ class GGUFLinear(nn.Module):
         `float_dense_rows` rows."""
         x2 = x.reshape(-1, self.in_features).float()
         if self.float_dense_rows is None or x2.shape[0] < self.float_dense_rows:
-            y = self._kernel(x2, levels=3)
+            y = self._kernel(x2, levels=HEAD_LEVELS)
         else:
             ys = []
             buf = torch.empty(min(F32_SLICE_ROWS, max(p.out_features for p in self.parts)) * self.in_features)
@@ -400,16 +401,19 @@ def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
     return {str(pf): timer(pf) for pf in PREFETCH_LINES}
 
 
-# the `gguf_many` candidates (GGUFWeight.many): the many-row kernel's variants, and the rows it is timed at
-# (a prefill chunk's order of size)
+# the `gguf_many` candidates (GGUFWeight.many): the many-row kernel's variants, and the rows it is timed at:
+# a prefill chunk's order of size, and for an LM head (three levels: two int16 rows a row) the few rows
+# that want logits at once (a 256-row call of the 0.5B's 151,936-row head took 0.17 s a pass)
 MANY_VARIANTS = {"vnni": 0, "amx": 1}
 MANY_ROWS = 256
+MANY_HEAD_ROWS = 16
 
 
-def many_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
+def many_candidates(w: GGUFWeight, dtype: torch.dtype, rows: int = MANY_ROWS, levels: int = ACT_LEVELS) -> dict:
     """Timers for kernel_choice's `gguf_many` choice, where the AMX-INT8 variant is allowed
-    (gguf_kernels.amx_allowed): seconds per MANY_ROWS-row call of the native kernel on random
-    weights of w's type and shape, its many-row kernel on AVX512-VNNI and on AMX tiles."""
+    (gguf_kernels.amx_allowed): seconds per `rows`-row call at `levels` int8 levels of the native
+    kernel on random weights of w's type and shape, its many-row kernel on AVX512-VNNI and on AMX
+    tiles."""
     from mixserve.layers.kernel_choice import time_calls
 
     mods: list = []
@@ -418,11 +422,10 @@ def many_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
         def run():
             if not mods:
                 mods[:] = _copies(GGUFLinear([w], None, dtype))
-            x = torch.randn(MANY_ROWS, w.in_features).to(dtype)
+            x = torch.randn(rows, w.in_features).to(dtype)
             for m in mods:
                 m.parts[0].many = v
-                m.dense_rows = m.float_dense_rows = None
-            return time_calls(mods, lambda m: m(x))
+            return time_calls(mods, lambda m: m.parts[0].matmul(x, levels))
         return run
     return {name: timer(v) for name, v in MANY_VARIANTS.items()}
 
@@ -476,8 +479,10 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
                                         prefetch_candidates(p, lin.dtype), "0"))
         # the AMX variant where allowed: timed against AVX512-VNNI per type and shape (it loses on
         # Q6_K, whose 16-channel groups fill a quarter of a tile's depth)
-        p.many = MANY_VARIANTS[chooser.choose(f"gguf_many/{p.qtype}/{p.out_features}x{p.in_features}",
-                                              many_candidates(p, lin.dtype), "vnni")] if amx else 0
+        timers = (many_candidates(p, lin.dtype, MANY_HEAD_ROWS, HEAD_LEVELS) if lin.float_out
+                  else many_candidates(p, lin.dtype))
+        key = f"gguf_many/{p.qtype}/{p.out_features}x{p.in_features}{'/head' if lin.float_out else ''}"
+        p.many = MANY_VARIANTS[chooser.choose(key, timers, "vnni")] if amx else 0
     # the kernel's layout in the key: a new kernel (its row curve) is timed again, not read from the cache
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}/{KERNEL_KEY}"
     if not switches:
