@@ -929,8 +929,10 @@ static void many_amx(const Layout& L, const Act& A, float* y) {
 // Zen 5 EPYC, median of 30 passes over 6 copies, 1 / 2 / 3 / 4 rows against few(): Q6_K 1536 x 8960
 // (the 1.5B's down) 0.99 / 0.79 / 0.77 / 0.68, Q6_K 896 x 4864 (the 0.5B's) 0.84 / 0.72 / 0.82 / 0.98;
 // Q6_K at K = 1536 (8960 x 1536, and the 1.5B's LM head) 1.05-1.5x slower at 1-2 rows, and the 32-channel
-// types (Q4_K, Q8_0) 0.95-1.1x either way, so they keep few(). A fixed rule, timed on that one CPU
-// kind only: on an Intel VNNI/AMX part it may lose (not measured; the AVX2 variant has no few2)
+// types (Q4_K, Q8_0) 0.95-1.1x either way, so they keep few(). A fixed rule; on an Intel AMX Xeon
+// (2026-12-07, by hand, alternated processes) Q6_K 1536 x 8960 at 2 / 3 / 4 rows 0.83-0.87x few()'s
+// time, 1 row 0.75x and 1.11x in two runs, 896 x 4864 0.9-1.0x: it holds there too (the AVX2 variant
+// has no few2)
 template <int R, int G, int HB, bool ALT = false>
 static inline void fewp(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
   if (G == 16 && L.K >= 4096) few2<R, G, HB, ALT>(L, A, r0, y, PF);
