@@ -536,6 +536,24 @@ def test_an_untimed_graph_is_tried_on_live_steps_and_changes_no_token(tiny, monk
     assert (again.engine.runner.pending_graph is not None) == (entry["name"] == "compiled")
 
 
+def test_a_graph_on_trial_stays_unless_eager_beats_it_by_the_margin(tmp_path):
+    """GraphTrial.decide keeps the built graph where its live steps are as fast as eager's within
+    kernel_choice's margin (its saving, a step's fixed overhead, is a small share of the wide steps
+    live traffic brings, and larger at the few rows a single stream runs), and drops it where eager
+    is faster by more than the margin."""
+    import mixserve.engine.decode_graph as dg
+    from mixserve.layers.kernel_choice import MARGIN, KernelChooser
+
+    for compiled_over_eager, want in ((0.974, "compiled"), (1.01, "compiled"), (1 + 2 * MARGIN, "eager")):
+        chooser = KernelChooser(path=tmp_path / f"c{want}{compiled_over_eager}.json")
+        trial = dg.GraphTrial(chooser, "decode_graph/test")
+        for i in range(dg.GraphTrial.PAIRS + 1):  # the first pair is dropped
+            trial.add(False, 64, 0.270)
+            trial.add(True, 64, 0.270 * compiled_over_eager)
+        assert trial.done()
+        assert trial.decide()[0] == want, compiled_over_eager
+
+
 def test_background_graph_failure_leaves_the_engine_eager(tiny, monkeypatch):
     """A compile that fails on the thread is reported once and the engine runs on eager."""
     import mixserve.engine.decode_graph as dg
