@@ -31,7 +31,9 @@ per output (activation row r, weight row n), acc = 0, then for each group g in o
 with isum_g the exact integer sum over the group of (q - z) * x16 (symmetric types) or q * x16.
 The few-row kernel forms isum from `vpdpbusd` on the two bytes (256 * sum(q * x1) + sum(q * x2)
 - z * sum(x16)); the many-row kernel unpacks a tile of panels to int16 (q - z) once and forms it
-with `vpdpwssd` (AVX2: `vpmaddwd`): the same integer, |isum| < 2^28, so the same float.
+with `vpdpwssd` (AVX2: `vpmaddwd`): the same integer, |isum| < 2^28, so the same float. Where the CPU
+has AMX-INT8 (and the weight's timed choice asks for it), the many-row kernel forms it on tiles instead:
+`tdpbssd` on each byte level against the weights' q - z as signed bytes, 256 * level 1 + level 2.
 """
 
 SRC = r"""
@@ -209,21 +211,21 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
   const int64_t K2 = K / 2, nb = (A.RQ + PACK_ROWS - 1) / PACK_ROWS;
   if (packed) A.xp.resize(nb * K2 * PACK_ROWS);
   else if (!amx) A.x16.resize(A.RQ * K);
-  A.e.resize(RP * (K / 32));
-  A.gs.resize(RP * A.ng); A.xs.resize(RP * A.ng);
+  A.e.resize(A.RQ * (K / 32));
+  A.gs.resize(A.RQ * A.ng); A.xs.resize(A.RQ * A.ng);
   if (bytes) { A.x1.resize(A.RQ * K); A.x2.resize(A.RQ * K); }
   if (amx) {
     A.xa.resize(RP * K * 2);
     A.ea.resize(RP * (K / 32));
     A.xsa.resize(RP * A.ng);
-    std::fill(A.ea.begin() + (A.RQ / 16) * 16 * (K / 32), A.ea.end(), 0.f);
-    std::fill(A.xsa.begin() + (A.RQ / 16) * 16 * A.ng, A.xsa.end(), 0.f);
-    std::fill(A.e.begin() + A.RQ * (K / 32), A.e.end(), 0.f);
-    std::fill(A.gs.begin() + A.RQ * A.ng, A.gs.end(), 0);
-    std::fill(A.xs.begin() + A.RQ * A.ng, A.xs.end(), 0.f);
     // rows past RQ sit in the last block, among its real rows: the block is zeroed here, the real rows
     // written below
-    if (RP > A.RQ) std::fill(A.xa.begin() + (A.RQ / 16) * 16 * K * 2, A.xa.end(), (int8_t)0);
+    if (RP > A.RQ) {
+      const int64_t last = A.RQ / 16 * 16;
+      std::fill(A.xa.begin() + last * K * 2, A.xa.end(), (int8_t)0);
+      std::fill(A.ea.begin() + last * (K / 32), A.ea.end(), 0.f);
+      std::fill(A.xsa.begin() + last * A.ng, A.xsa.end(), 0.f);
+    }
   }
   // rows are quantized independently, on every thread (a 512-token prefill's rows took ~0.5 s on
   // one); packed, a task is whole blocks of PACK_ROWS int16 rows (PACK_ROWS / per source rows), so
@@ -318,7 +320,8 @@ static inline int64_t tile_panels(int64_t NP, int64_t kc) {
 }
 
 // the int16 tile of the many-row kernels (both variants): per panel [channel pairs of the block][16
-// lanes] of (q - z) pairs, then per group the 16 lanes' s and m; one per thread, kept between calls
+// lanes] of (q - z) pairs, then per group the 16 lanes' s and m; one per thread, kept between calls.
+// Q: the AMX kernel's bytes instead of W (fill_amx)
 struct Tile { std::vector<int32_t> W; std::vector<float> S, M; std::vector<uint8_t> Q; };
 
 __attribute__((noinline)) static Tile& thread_tile() {  // noinline: see thread_act
@@ -761,11 +764,13 @@ static void many(const Layout& L, const Act& A, float* y) {
 
 #ifdef GGUF_AMX
 // The AMX-INT8 many-row kernel: the same integers and float steps as few(), so the same bits. Per
-// group, tdpbsud multiplies 16 activation rows' signed bytes (A: 16 x G, one tile per byte level)
-// by a panel's unsigned integers in step order (B: G/4 rows x 64 bytes, row s holding the 16 weight
-// rows' channels 4s .. 4s + 3: panel_steps' order is AMX's VNNI layout), giving 16 x 16 int32 sums
-// per level; isum = 256 * sum(q * x1) + sum(q * x2) (- z * sum(x16)) as few() forms it, then its
-// float steps per activation row, 16 weight rows a vector.
+// group, tdpbssd multiplies 16 activation rows' signed bytes (A: 16 x G, one tile per byte level)
+// by a panel's q - z as signed bytes in step order (B: G/4 rows x 64 bytes, row s holding the 16
+// weight rows' channels 4s .. 4s + 3: the layout's step order is AMX's VNNI layout), giving 16 x 16
+// int32 sums per level; isum = 256 * sum((q - z) * x1) + sum((q - z) * x2), the integer few() forms,
+// then its float steps per activation row, 16 weight rows a vector. The sums of every group leave
+// the tiles for those float steps (the scales are per group): that round trip through memory, not
+// the multiplies, bounds it (BENCHMARKS.md, issue 43's tenth round).
 struct TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 // tmm0, tmm1: 16 activation rows x G bytes (the two levels); tmm2, tmm3: a panel's group (G/4 x 64);
