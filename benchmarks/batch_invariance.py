@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from mixserve import SamplingParams
 from mixserve.env import machine_info
@@ -86,6 +87,7 @@ def main() -> None:
         print(f"{name:28s} " + "  ".join(f"{m} {v:9.3f}" for m, v in med.items()) + "  " +
               "  ".join(f"{m}/{first} {med[m] / med[first]:.3f}" for m in engines if m != first), flush=True)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": machine_info(), "model": a.model, "rows": rows}, f, indent=1)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -85,6 +86,7 @@ def main():
             print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
             results.append(row)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": machine_info(), "results": results}, f, indent=1)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -79,6 +80,7 @@ def main() -> None:
         print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
         results.append(row)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": info, "model": a.model, "results": results}, f, indent=1)
 

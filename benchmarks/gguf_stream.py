@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,7 @@ def main() -> None:
         print(json.dumps({k2: round(v, 1) if isinstance(v, float) else v for k2, v in row.items()}), flush=True)
         rows.append(row)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": info, "results": rows}, f, indent=1)
 

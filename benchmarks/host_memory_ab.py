@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from mixserve.env import machine_info
 
@@ -76,6 +77,7 @@ def main() -> None:
           f"(on / off {med['on']['decode_tok_s'] / med['off']['decode_tok_s']:.2f})")
     print(f"  peak RSS: {med['on']['peak_rss_mb']:.0f} / {med['off']['peak_rss_mb']:.0f} MB")
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": info, "args": vars(a), "runs": got, "medians": med}, f, indent=1)
 

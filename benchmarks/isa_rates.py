@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -134,6 +135,7 @@ def main() -> None:
     for k, v in rows.items():
         print(f"ceiling, {k}: {v}")
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": info, "multiply_adds_per_ns_per_core": rates, "ceiling_ratios": rows}, f, indent=1)
 

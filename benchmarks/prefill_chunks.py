@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump({"machine": info, "model": a.model, "format": fmt.name, "rows": rows}, f, indent=1)
 

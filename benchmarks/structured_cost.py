@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from mixserve import SamplingParams
 from mixserve.data.schemas import SCHEMAS, prompt
@@ -121,6 +122,7 @@ def main() -> None:
                           "speedup": round(spec["ngram"] / spec["plain"], 2)}
     print("speculation (constrained, batch 1):", out["speculation"], flush=True)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

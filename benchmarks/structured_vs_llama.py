@@ -112,6 +112,7 @@ def main() -> None:
         print(f"llama.cpp skipped: no llama-server at {binary} (LLAMA_SERVER=1 bash benchmarks/build_llama_cpp.sh)")
     out["summary"] = {k: summary(out[k]) for k in ("mixserve", "llama.cpp") if k in out}
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)  # a fresh clone has no results/
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -64,6 +64,18 @@ EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "to
          "gguf_prefetch": "0", "gguf_dense_rows": "never", "gguf_many": "vnni"}
 
 
+def machine_key() -> str:
+    """The kernel choices' cache identity: "<CPU model> [isa <cpu_isa_key()>] | torch <version>", and
+    " | forced <isa>" where $MIXSERVE_ISA forces a variant (env.forced_isa): its kernels differ (the
+    GGUF kernel's AVX2 build, oneDNN capped at AVX2), so the choices timed for the CPU's own ISA
+    (prefetch, row switches, the decode graph) are not theirs, nor theirs the CPU's."""
+    from mixserve.env import forced_isa
+
+    forced = forced_isa()
+    return (f"{cpu_model()} [isa {cpu_isa_key()}] | torch {torch.__version__}"
+            + (f" | forced {forced}" if forced else ""))
+
+
 def llc_bytes() -> int:
     """Size in bytes of the largest CPU cache (sysfs); 64 MiB where sysfs does not say."""
     best = 0
@@ -212,7 +224,7 @@ class KernelChooser:
                 raise ValueError(f"MIXSERVE_KERNELS (environment): {e}") from None
         self.overrides = overrides
         # the instruction set too: "AMD EPYC" names machines with and without AVX-512
-        self.machine = machine or f"{cpu_model()} [isa {cpu_isa_key()}] | torch {torch.__version__}"
+        self.machine = machine or machine_key()
         self.choices: dict[str, Choice] = {}
 
     def _override(self, key: str) -> str | None:

@@ -508,3 +508,18 @@ def test_the_gguf_kernels_variant_is_kept_when_mixserve_isa_changes(monkeypatch,
     assert "MIXSERVE_ISA changed" in caplog.text
     monkeypatch.setattr(gguf_kernels, "_state", {})
     assert gguf_kernels.kernel().name == "mixserve_gguf_v6_avx2"  # a new process's first call
+
+
+def test_a_forced_isa_has_kernel_choices_of_its_own(monkeypatch):
+    """$MIXSERVE_ISA=avx2 runs other kernels (the GGUF kernel's AVX2 build, oneDNN capped at AVX2):
+    their timed choices are cached apart from the CPU's own ISA's, both ways."""
+    from mixserve.layers.kernel_choice import KernelChooser
+
+    monkeypatch.delenv("MIXSERVE_ISA", raising=False)
+    native = KernelChooser(overrides={}).machine
+    monkeypatch.setenv("MIXSERVE_ISA", "avx2")
+    forced = KernelChooser(overrides={}).machine
+    assert forced != native and forced.startswith(native) and forced.endswith("forced avx2")
+    monkeypatch.setenv("MIXSERVE_ISA", "native")
+    assert KernelChooser(overrides={}).machine == native
+

@@ -91,3 +91,14 @@ def test_the_sys_path_check_sees_each_form():
     assert _mutates_sys_path(ast.parse(aliased)) == [4, 5, 6, 7, 8]
     reads = "import sys\nprint(sys.path[0])\nx = list(sys.path)\ni = sys.path.index('a')\nc = sys.path.copy()\n"
     assert _mutates_sys_path(ast.parse(reads)) == []
+
+
+def test_every_benchmark_that_writes_its_out_file_makes_its_folder_first():
+    """BENCHMARKS.md's commands write `--out results/...`, and a fresh clone has no results/ (it is
+    ignored): a script that opened the file without making its folder lost its whole run at the end
+    (benchmarks/gguf_many_rows.py, found by a new-user trial)."""
+    writes = [p for p in sorted((ROOT / "benchmarks").glob("*.py"))
+              if 'open(a.out, "w")' in p.read_text() or "open(args.out, \"w\")" in p.read_text()]
+    assert len(writes) >= 5  # the check sees the scripts
+    missing = [p.name for p in writes if "mkdir(" not in p.read_text()]
+    assert not missing, f"open --out without making its folder: {missing}"
