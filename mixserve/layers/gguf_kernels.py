@@ -145,12 +145,19 @@ def amx_built() -> bool:
 def set_amx(on: bool) -> bool:
     """Allow (on) or forbid the many-row kernel's AMX-INT8 variant, for the weights that ask for it
     (GGUFWeight.many, chosen by timing: gguf_linear.choose); returns the setting before. Both
-    variants give the same bits (layers/gguf_src.py). The caller allows it only where the process
-    may use AMX (kernel_choice.amx_permitted: Linux grants AMX's state per process; an AMX
-    instruction without it kills the process). Raises RuntimeError where amx_built() is false and
-    `on` is asked for."""
+    variants give the same bits (layers/gguf_src.py). Allowing it first asks Linux for AMX's state
+    (kernel_choice.amx_permitted: granted per process; an AMX instruction without it kills the
+    process). Raises RuntimeError where `on` is asked for and amx_built() is false or the state is
+    refused."""
     if on and not amx_built():
         raise RuntimeError("the native GGUF kernel here has no AMX-INT8 variant")
+    if on:
+        from mixserve.layers import kernel_choice
+
+        # asks Linux for AMX's state (once a process); an AMX instruction without it is SIGILL
+        if not kernel_choice.amx_permitted():
+            raise RuntimeError("this process may not use AMX (Linux did not grant its state): "
+                               "the AMX-INT8 variant stays off")
     if _load() is None:
         return False
     return int(torch.ops.mixserve.gguf_amx(int(bool(on)))) > 0

@@ -254,6 +254,17 @@ def test_amx_many_row_kernel_gives_each_row_the_bits_it_gets_alone(qtype):
         gguf_kernels.set_amx(old)
 
 
+def test_allowing_amx_where_linux_refuses_its_state_raises_instead_of_dying(monkeypatch):
+    """set_amx(True) asks for AMX's state first: where it is refused, a RuntimeError, not the SIGILL
+    of an AMX instruction (a break-it helper's fresh process died with rc 132 before)."""
+    from mixserve.layers import kernel_choice
+
+    monkeypatch.setattr(gguf_kernels, "amx_built", lambda: True)
+    monkeypatch.setattr(kernel_choice, "amx_permitted", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="may not use AMX"):
+        gguf_kernels.set_amx(True)
+
+
 def test_amx_variant_is_asked_for_only_where_it_may_run():
     """A weight's `many` = 1 runs the VNNI many-row kernel where AMX is not allowed in the process
     (the same bits), and allowing it where the build has no AMX variant is refused."""
