@@ -118,7 +118,7 @@ def _load():
         mod = mod if mod is not None and mod.available() else None
         if mod is not None:
             torch.library.register_fake("mixserve::gguf_matmul")(
-                lambda x, lo, hi, d, sc, dm, mn, N, G, S, HB, z, levels=2, prefetch=0, many=0:
+                lambda x, lo, hi, d, sc, dm, mn, N, G, S, HB, z, levels=2, prefetch=0, variant=0:
                 x.new_empty(x.shape[0], N, dtype=torch.float32))
             torch.library.register_fake("mixserve::gguf_dequant")(
                 lambda lo, hi, d, sc, dm, mn, N, G, S, HB, z, rows, all_rows, out: None)

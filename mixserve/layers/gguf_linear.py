@@ -101,6 +101,9 @@ class GGUFWeight:
         # the many-row kernel's variant: 0 AVX512-VNNI, 1 AMX-INT8 tiles (where gguf_kernels allows
         # them; else 0's), chosen by timing; the same bits either way
         self.many = 0
+        # the few-row kernel's passes over the panels (16-channel groups: Q6_K): 0 the kernel's fixed
+        # rule (two panels a pass where K >= 4096), 1 one panel, 2 two; chosen by timing; the same bits
+        self.passes = 0
         for name in self.TENSORS:
             setattr(self, name, tensors[name])
 
@@ -189,7 +192,8 @@ class GGUFWeight:
         32 channels to `levels` int8 levels (1-4; two make one int16 row, layers/gguf_src.py). float32
         and bfloat16 go in as they are (the kernel widens bfloat16 exactly: no float32 copy)."""
         x = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        return torch.ops.mixserve.gguf_matmul(x.contiguous(), *self._args(), levels, self.prefetch, self.many)
+        return torch.ops.mixserve.gguf_matmul(x.contiguous(), *self._args(), levels, self.prefetch,
+                                              int(self.many) | int(self.passes) << 1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -356,7 +360,7 @@ def clone_weight(w: GGUFWeight) -> GGUFWeight:
     """A copy of `w` with its own tensors (timing on copies that rotate past the cache)."""
     c = GGUFWeight(w.qtype, w.out_features, w.in_features, {m: getattr(w, m).clone() for m in GGUFWeight.TENSORS},
                    w.group, w.superblock, w.hb, w.zero)
-    c.prefetch, c.many = w.prefetch, w.many
+    c.prefetch, c.many, c.passes = w.prefetch, w.many, w.passes
     return c
 
 
@@ -366,7 +370,7 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
 
     base = [random_weight(p.qtype, p.out_features, p.in_features) for p in lin.parts]
     for b, p in zip(base, lin.parts):
-        b.prefetch, b.many = p.prefetch, p.many
+        b.prefetch, b.many, b.passes = p.prefetch, p.many, p.passes
 
     def make():
         m = GGUFLinear([clone_weight(b) for b in base], None, lin.dtype)
@@ -430,6 +434,31 @@ def many_candidates(w: GGUFWeight, dtype: torch.dtype, rows: int = MANY_ROWS, le
     return {name: timer(v) for name, v in MANY_VARIANTS.items()}
 
 
+# the `gguf_passes` candidates (GGUFWeight.passes) for the 16-channel-group types: one or two panels a
+# pass of the few-row kernel, timed at one row. Two won at K = 1536 on the AMX Xeon (the Q6_K LM head
+# 0.73-0.76x) and lost there on the Zen 5 (1.05-1.5x): a measured choice, not a rule
+PASSES = {"one": 1, "two": 2}
+
+
+def passes_candidates(w: GGUFWeight, dtype: torch.dtype, levels: int = ACT_LEVELS) -> dict:
+    """Timers for kernel_choice's `gguf_passes` choice: seconds per 1-row call at `levels` int8 levels
+    of the native kernel on random weights of w's type and shape, one and two panels a pass."""
+    from mixserve.layers.kernel_choice import time_calls
+
+    mods: list = []
+
+    def timer(v):
+        def run():
+            if not mods:
+                mods[:] = _copies(GGUFLinear([w], None, dtype))
+            x = torch.randn(1, w.in_features).to(dtype)
+            for m in mods:
+                m.parts[0].passes = v
+            return time_calls(mods, lambda m: m.parts[0].matmul(x, levels))
+        return run
+    return {name: timer(v) for name, v in PASSES.items()}
+
+
 # the native kernel's generation in the row switches' cache keys (issue 43's 16-row panels)
 KERNEL_KEY = "p16"
 # Row counts at which the native kernel and dequantize + dense GEMM are timed to place the switch
@@ -483,6 +512,12 @@ def choose(lin: GGUFLinear, chooser, switches: bool = True) -> None:
                   else many_candidates(p, lin.dtype))
         key = f"gguf_many/{p.qtype}/{p.out_features}x{p.in_features}{'/head' if lin.float_out else ''}"
         p.many = MANY_VARIANTS[chooser.choose(key, timers, "vnni")] if amx else 0
+        if p.group == 16:
+            head = "/head" if lin.float_out else ""
+            rule = "two" if p.in_features >= 4096 else "one"  # the kernel's own rule: the default to beat
+            p.passes = PASSES[chooser.choose(f"gguf_passes/{p.qtype}/{p.out_features}x{p.in_features}{head}",
+                                             passes_candidates(p, lin.dtype, HEAD_LEVELS if head else ACT_LEVELS),
+                                             rule)]
     # the kernel's layout in the key: a new kernel (its row curve) is timed again, not read from the cache
     shape = f"{lin.qtypes}/{lin.out_features}x{lin.in_features}/{KERNEL_KEY}"
     if not switches:

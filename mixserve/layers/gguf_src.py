@@ -937,32 +937,35 @@ static void many_amx(const Layout& L, const Act& A, float* y) {
 // types (Q4_K, Q8_0) 0.95-1.1x either way, so they keep few(). A fixed rule; on an Intel AMX Xeon
 // (2026-12-07, by hand, alternated processes) Q6_K 1536 x 8960 at 2 / 3 / 4 rows 0.83-0.87x few()'s
 // time, 1 row 0.75x and 1.11x in two runs, 896 x 4864 0.9-1.0x: it holds there too (the AVX2 variant
-// has no few2)
+// has no few2). That rule is the default (passes 0); on the same Xeon the Q6_K LM head (151,936 x 1536)
+// ran in 0.73-0.76x the time with two panels at 1-2 rows, against 1.05-1.5x slower on the Zen 5: the
+// caller may time both per weight (passes 1: one panel a pass, 2: two; gguf_linear's `gguf_passes`)
 template <int R, int G, int HB, bool ALT = false>
-static inline void fewp(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
-  if (G == 16 && L.K >= 4096) few2<R, G, HB, ALT>(L, A, r0, y, PF);
+static inline void fewp(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF, int passes) {
+  if (G == 16 && (passes == 2 || (passes == 0 && L.K >= 4096))) few2<R, G, HB, ALT>(L, A, r0, y, PF);
   else few<R, G, HB, ALT>(L, A, r0, y, PF);
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool amx) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool amx,
+                     int passes) {
 #ifdef GGUF_AMX
   if (A.RQ > wide && amx) return many_amx<G, HB>(L, A, y);
 #endif
   if (A.RQ > wide) return many<G, HB>(L, A, y);
   if (alt) {  // three levels: rows in pairs (an int16 row, its rest's int8 row)
     for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
-      if (A.RQ - r0 >= 4) fewp<4, G, HB, true>(L, A, r0, y, PF);
-      else fewp<2, G, HB, true>(L, A, r0, y, PF);
+      if (A.RQ - r0 >= 4) fewp<4, G, HB, true>(L, A, r0, y, PF, passes);
+      else fewp<2, G, HB, true>(L, A, r0, y, PF, passes);
     }
     return;
   }
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
     switch (std::min<int64_t>(4, A.RQ - r0)) {
-      case 1: fewp<1, G, HB>(L, A, r0, y, PF); break;
-      case 2: fewp<2, G, HB>(L, A, r0, y, PF); break;
-      case 3: fewp<3, G, HB>(L, A, r0, y, PF); break;
-      default: fewp<4, G, HB>(L, A, r0, y, PF); break;
+      case 1: fewp<1, G, HB>(L, A, r0, y, PF, passes); break;
+      case 2: fewp<2, G, HB>(L, A, r0, y, PF, passes); break;
+      case 3: fewp<3, G, HB>(L, A, r0, y, PF, passes); break;
+      default: fewp<4, G, HB>(L, A, r0, y, PF, passes); break;
     }
   }
 }
@@ -1002,7 +1005,7 @@ __attribute__((noinline)) static Act& thread_act() {
 // x float32 or bfloat16 [R, K] -> y float32 [R, N]
 torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor sc,
                      torch::Tensor dm, torch::Tensor mn, int64_t N, int64_t G, int64_t S, int64_t HB, double z,
-                     int64_t levels, int64_t prefetch, int64_t many) {
+                     int64_t levels, int64_t prefetch, int64_t variant) {
   const Layout L = layout(lo, hi, d, sc, dm, mn, N, G, S, HB, z);
   const bool bf = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
@@ -1016,8 +1019,10 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   Act& A = thread_act();  // kept between calls (see quantize_act)
   // read once: another thread's gguf_wide_rows between the reads would leave the planes a kernel reads unbuilt
   const int64_t wide = g_wide_rows;
-  // many 1: the many-row kernel on AMX-INT8 tiles where allowed (gguf_amx), else AVX512-VNNI
-  const bool amx = g_amx && many == 1 && R * per > wide;
+  // variant bit 0: the many-row kernel on AMX-INT8 tiles where allowed (gguf_amx), else AVX512-VNNI;
+  // bits 1-2: the few-row kernel's passes (0 fewp's rule, 1 one panel a pass, 2 two; the same bits)
+  const bool amx = g_amx && (variant & 1) && R * per > wide;
+  const int passes = (int)((variant >> 1) & 3);
 #ifdef GGUF_VNNI
   const bool packed = R * per > wide && !amx;  // the VNNI many-row kernel reads only the packed copy
 #else
@@ -1027,7 +1032,7 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor lo, torch::Tensor hi, torch:
   if (bf) quantize_act(x.data_ptr<at::BFloat16>(), R, L.K, G, levels, bytes, packed, A, amx);
   else quantize_act(x.data_ptr<float>(), R, L.K, G, levels, bytes, packed, A, amx);
   float* yp = y.data_ptr<float>();
-#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide, levels == 3, amx); } else
+#define GGUF_CASE(g, hb) if (G == g && HB == hb) { run_rows<g, hb>(L, A, yp, PF, wide, levels == 3, amx, passes); } else
   GGUF_CASE(32, 0) GGUF_CASE(32, 1) GGUF_CASE(32, 4) GGUF_CASE(16, 0) GGUF_CASE(16, 2) GGUF_CASE(16, 4)
   { TORCH_CHECK(false, "gguf matmul: no kernel for this layout"); }
 #undef GGUF_CASE
@@ -1104,7 +1109,7 @@ void dequant(torch::Tensor lo, torch::Tensor hi, torch::Tensor d, torch::Tensor 
 
 TORCH_LIBRARY_FRAGMENT(mixserve, lib) {
   lib.def("gguf_matmul(Tensor x, Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, "
-          "int S, int HB, float z, int levels=2, int prefetch=0, int many=0) -> Tensor");
+          "int S, int HB, float z, int levels=2, int prefetch=0, int variant=0) -> Tensor");
   lib.def("gguf_dequant(Tensor lo, Tensor hi, Tensor d, Tensor sc, Tensor dm, Tensor mn, int N, int G, int S, "
           "int HB, float z, Tensor rows, bool all_rows, Tensor(a!) out) -> ()");
   lib.def("gguf_wide_rows(int n) -> int", &wide_rows);  // no tensor to dispatch on: one kernel for all
@@ -1350,7 +1355,7 @@ static void many(const Layout& L, const Act& A, float* y) {
 }
 
 template <int G, int HB>
-static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool) {
+static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_t wide, bool alt, bool, int) {
   if (A.RQ > std::min<int64_t>(wide, 4)) return many<G, HB>(L, A, y);
   for (int64_t r0 = 0; r0 < A.RQ; r0 += 2) {
     if (alt) few<2, G, HB, true>(L, A, r0, y, PF);  // RQ is even: pairs of an int16 row and an int8 row

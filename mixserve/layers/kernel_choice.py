@@ -61,7 +61,8 @@ EAGER = {"dense_linear": "plain", "decode_attention": "sdpa", "int4_kernel": "to
          "decode_graph": "eager", "float_head": "plain", "float_head_rows": "never",
          # native GGUF weights have no PyTorch kernel: eager runs ours at every row count, no
          # software prefetch
-         "gguf_prefetch": "0", "gguf_dense_rows": "never", "gguf_many": "vnni"}
+         "gguf_prefetch": "0", "gguf_dense_rows": "never", "gguf_many": "vnni",
+         "gguf_passes": "one"}
 
 
 def machine_key() -> str:

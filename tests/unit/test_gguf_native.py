@@ -168,6 +168,29 @@ def test_two_panel_passes_follow_the_float_order():
                 assert torch.equal(w.matmul(x[:rows], levels), ref[:rows]), (n, levels, rows)
 
 
+def test_one_or_two_panels_a_pass_as_timed_give_the_same_bits():
+    """GGUFWeight.passes (the `gguf_passes` choice: the few-row kernel's one or two panels a pass for
+    16-channel groups, timed per weight since the faster differs by CPU) changes no bit: Q6_K at a K
+    below and above the kernel's own rule (4096), 1-4 rows, the engine's two levels and the LM head's
+    three, against the rule's default and the numpy float order."""
+    torch.manual_seed(21)
+    for n, k in ((37, 1536), (21, 4352)):
+        blocks = random_blocks("Q6_K", n, k, seed=22)
+        w = GGUFWeight.from_blocks("Q6_K", blocks, k)
+        for rows in (1, 2, 3, 4):
+            x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).contiguous()
+            ref = torch.from_numpy(float_order_reference("Q6_K", blocks, k, x.numpy(), 2))
+            for levels in (2, 3):
+                got = []
+                for passes in (0, 1, 2):
+                    w.passes = passes
+                    got.append(w.matmul(x, levels))
+                assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]), (k, rows, levels)
+                if levels == 2:
+                    assert torch.equal(got[2], ref), (k, rows)
+        w.passes = 0
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_levels_past_two_add_the_first_rows_rest(qtype):
     """levels 3 and 4 (the LM head's float32 logits): the row's int16 quantization, then what it left
