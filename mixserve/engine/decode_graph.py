@@ -407,7 +407,8 @@ class GraphTrial:
     eager, compiled, eager, ... and each eager step and the compiled step after it, at the same row
     count, make a pair. After `PAIRS` pairs (the first one, the graph's first live call, dropped)
     the medians decide it by kernel_choice's rule (MARGIN, with the built graph as the default that
-    eager must beat) and the choice is cached as any measured one: the graph stays or is dropped. Both paths give the same tokens (the compiled
+    eager must beat) and the choice is cached as any measured one: the graph stays or is dropped.
+    Both paths give the same tokens (the compiled
     path equals eager, tested), so a trial changes no output. Interleaving makes the pairs share
     whatever else loads the machine, which a timing before serving cannot do."""
 

@@ -436,7 +436,7 @@ def many_candidates(w: GGUFWeight, dtype: torch.dtype, rows: int = MANY_ROWS, le
 
 # the `gguf_passes` candidates (GGUFWeight.passes) for the 16-channel-group types: one or two panels a
 # pass of the few-row kernel, timed at one row. Two won at K = 1536 on the AMX Xeon (the Q6_K LM head
-# 0.73-0.76x) and lost there on the Zen 5 (1.05-1.5x): a measured choice, not a rule
+# 0.73-0.76x) and lost at that K on the Zen 5 (1.05-1.5x): a measured choice, not a rule
 PASSES = {"one": 1, "two": 2}
 
 
