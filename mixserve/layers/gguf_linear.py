@@ -385,24 +385,32 @@ def _copies(lin: GGUFLinear, **attrs) -> list:
 PREFETCH_LINES = (0, 8, 32)
 
 
-def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
-    """Timers for kernel_choice's `gguf_prefetch` choice: seconds per 1-row call of the native kernel
-    on random weights of w's type and shape with each of PREFETCH_LINES (GGUFWeight.prefetch)."""
+def _setting_candidates(w: GGUFWeight, dtype: torch.dtype, attr: str, values: dict, rows: int = 1,
+                        levels: int = ACT_LEVELS) -> dict:
+    """Timers for one of w's kernel settings (GGUFWeight `attr`: prefetch, many, passes): for each
+    name -> value of `values`, seconds per `rows`-row call at `levels` int8 levels of the native kernel
+    on random weights of w's type and shape (kernel_choice.time_calls over copies rotating past the
+    cache, made once at the first timer's call) with that value set."""
     from mixserve.layers.kernel_choice import time_calls
 
     mods: list = []
 
-    def timer(pf):
+    def timer(v):
         def run():
             if not mods:
-                lin = GGUFLinear([w], None, dtype)
-                mods[:] = _copies(lin)
-            x = torch.randn(1, w.in_features).to(dtype)
+                mods[:] = _copies(GGUFLinear([w], None, dtype))
+            x = torch.randn(rows, w.in_features).to(dtype)
             for m in mods:
-                m.parts[0].prefetch = pf
-            return time_calls(mods, lambda m: m(x))
+                setattr(m.parts[0], attr, v)
+            return time_calls(mods, lambda m: m.parts[0].matmul(x, levels))
         return run
-    return {str(pf): timer(pf) for pf in PREFETCH_LINES}
+    return {name: timer(v) for name, v in values.items()}
+
+
+def prefetch_candidates(w: GGUFWeight, dtype: torch.dtype) -> dict:
+    """Timers for kernel_choice's `gguf_prefetch` choice: seconds per 1-row call of the native kernel
+    on random weights of w's type and shape with each of PREFETCH_LINES (GGUFWeight.prefetch)."""
+    return _setting_candidates(w, dtype, "prefetch", {str(pf): pf for pf in PREFETCH_LINES})
 
 
 # the `gguf_many` candidates (GGUFWeight.many): the many-row kernel's variants, and the rows it is timed at:
@@ -418,20 +426,7 @@ def many_candidates(w: GGUFWeight, dtype: torch.dtype, rows: int = MANY_ROWS, le
     (gguf_kernels.amx_allowed): seconds per `rows`-row call at `levels` int8 levels of the native
     kernel on random weights of w's type and shape, its many-row kernel on AVX512-VNNI and on AMX
     tiles."""
-    from mixserve.layers.kernel_choice import time_calls
-
-    mods: list = []
-
-    def timer(v):
-        def run():
-            if not mods:
-                mods[:] = _copies(GGUFLinear([w], None, dtype))
-            x = torch.randn(rows, w.in_features).to(dtype)
-            for m in mods:
-                m.parts[0].many = v
-            return time_calls(mods, lambda m: m.parts[0].matmul(x, levels))
-        return run
-    return {name: timer(v) for name, v in MANY_VARIANTS.items()}
+    return _setting_candidates(w, dtype, "many", MANY_VARIANTS, rows, levels)
 
 
 # the `gguf_passes` candidates (GGUFWeight.passes) for the 16-channel-group types: one or two panels a
@@ -443,20 +438,7 @@ PASSES = {"one": 1, "two": 2}
 def passes_candidates(w: GGUFWeight, dtype: torch.dtype, levels: int = ACT_LEVELS) -> dict:
     """Timers for kernel_choice's `gguf_passes` choice: seconds per 1-row call at `levels` int8 levels
     of the native kernel on random weights of w's type and shape, one and two panels a pass."""
-    from mixserve.layers.kernel_choice import time_calls
-
-    mods: list = []
-
-    def timer(v):
-        def run():
-            if not mods:
-                mods[:] = _copies(GGUFLinear([w], None, dtype))
-            x = torch.randn(1, w.in_features).to(dtype)
-            for m in mods:
-                m.parts[0].passes = v
-            return time_calls(mods, lambda m: m.parts[0].matmul(x, levels))
-        return run
-    return {name: timer(v) for name, v in PASSES.items()}
+    return _setting_candidates(w, dtype, "passes", PASSES, 1, levels)
 
 
 # the native kernel's generation in the row switches' cache keys (issue 43's 16-row panels)

@@ -68,7 +68,7 @@ static int64_t g_wide_rows = 8;
 // before, or -1 where this build has no AMX kernel
 static bool g_amx = false;
 int64_t amx(int64_t n) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef GGUF_AMX
   const bool old = g_amx;
   if (n >= 0) g_amx = n > 0;
   return old;
@@ -257,13 +257,12 @@ static void quantize_act(const T* x, int64_t R, int64_t K, int64_t G, int64_t le
           int32_t* dst = A.xp.data() + (row / PACK_ROWS) * K2 * PACK_ROWS + row % PACK_ROWS;
           for (int64_t t = 0; t < K2; ++t) dst[t * PACK_ROWS] = w[t];
         }
-        if (amx) {  // scales per block of 16 rows, a column of 16 rows at a time
+        if (amx) {  // the AMX kernel's copy: scales per block of 16 rows, a column of 16 rows at a time
           float* ea = A.ea.data() + (row / 16) * 16 * (K / 32) + row % 16;
           for (int64_t j = 0; j < K / 32; ++j) ea[16 * j] = e[j];
           float* xsa = A.xsa.data() + (row / 16) * 16 * A.ng + row % 16;
           for (int64_t g = 0; g < A.ng; ++g) xsa[16 * g] = A.xs[row * A.ng + g];
-        }
-        if (amx) {  // the AMX kernel's layout: per block of 16 rows and group, [16 rows][x1's G bytes, x2's G]
+          // the bytes: per block of 16 rows and group, [16 rows][x1's G bytes, x2's G]
           int8_t* base = A.xa.data() + (row / 16) * 16 * K * 2 + (row % 16) * 2 * G;
           for (int64_t g = 0; g < A.ng; ++g) {
             int8_t* d = base + g * 32 * G;
