@@ -6,7 +6,33 @@ import tempfile
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one pytest-xdist worker a core, as many as memory holds at
+    ~8 GiB each (a worker may hold the 0.5B's float32 engine and its HF reference at once), at most
+    4; 0 (no workers, the run in this process) on one core. Two workers took the suite from 1073 to
+    678 s on CI's 2-core kind (BENCHMARKS.md, the suite's time): much of it is one-threaded (Dynamo and Inductor
+    compiles, imports, tokenizers, servers' and Ray's start-ups, the HTTP round trips)."""
+    mem_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    n = max(1, min(_cores(), int(mem_gib // 8), 4))
+    return 0 if n == 1 else n
+
+
+# A worker's share of the cores (its servers and CLI runs inherit it through OMP_NUM_THREADS): the
+# workers together use each core once. The kernels' split across threads is checked by a test that
+# sets its own counts (test_batch_invariance.py, test_the_thread_count_changes_no_bits).
+_threads = max(1, min(2, _cores()))
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+torch.set_num_threads(_threads)
 
 # Engines in the suite time no kernels: each choice the cache lacks is its eager candidate
 # (layers/kernel_choice.py, timing "prior"), so no test pays a first start's timing and decode-graph

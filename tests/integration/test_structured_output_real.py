@@ -47,11 +47,13 @@ def test_every_schema_greedy_and_sampled(model, smollm2_path, qwen05_path):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_greedy_constrained_output_is_the_same_on_every_path(qwen05_path):
-    """Speculation (n-gram, and a draft model: the 0.5B drafting for itself, its drafts masked by
+def test_greedy_constrained_output_is_the_same_on_every_path(smollm2_path):
+    """Speculation (n-gram, and a draft model: SmolLM2 drafting for itself, its drafts masked by
     the grammar too) and preemption (a cache of a few sequences) give the plain path's tokens:
-    batch invariance (on by default) makes each path's logits the same bits."""
-    base = LLM(qwen05_path, kv_cache_memory="256MiB", progress=False)
+    batch invariance (on by default) makes each path's logits the same bits. (SmolLM2: the property
+    is the engine's, not the model's, and the 0.5B took 52 s of the suite for it; the 0.5B's
+    constrained outputs are checked above.)"""
+    base = LLM(smollm2_path, kv_cache_memory="256MiB", progress=False)
     prompts = chat_prompts(base)[::2]  # every other schema: the suite's time (issue 32)
     params = [SamplingParams(temperature=0, max_tokens=256, structured=StructuredOutputs(json=s))
               for _, s in SCHEMAS[::2]]
@@ -60,9 +62,9 @@ def test_greedy_constrained_output_is_the_same_on_every_path(qwen05_path):
     ref = [o.token_ids for o in plain]
     del base
     for kw in (dict(draft_model="ngram", speculation="fixed", num_speculative_tokens=4),
-               dict(draft_model=qwen05_path, speculation="fixed", num_speculative_tokens=3),
-               dict(kv_cache_memory="6MiB")):
-        llm = LLM(qwen05_path, progress=False, **{"kv_cache_memory": "256MiB", **kw})
+               dict(draft_model=smollm2_path, speculation="fixed", num_speculative_tokens=3),
+               dict(kv_cache_memory="12MiB")):  # ~540 tokens: one sequence fits, not all
+        llm = LLM(smollm2_path, progress=False, **{"kv_cache_memory": "256MiB", **kw})
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == ref, kw
         if "draft_model" in kw:

@@ -313,3 +313,56 @@ def test_silu_mul_rows_do_not_depend_on_the_row_count(dtype):
     g2[5, 7] = float("nan")
     out = torch.ops.mixserve.silu_mul_rows(g2, u)
     assert out[5, 7].isnan() and out.isnan().sum() == 1
+
+
+def test_the_thread_count_changes_no_bits():
+    """The kernels split their work across threads by output columns, rows or heads, never inside a
+    row's reduction: the invariant linear, the paged attention rows and every native GGUF kernel
+    (few-row at 1 and 3 rows, many-row at 64, AMX's where it runs) give the same bits at 1, 2 and 3
+    threads. The suite runs one thread a worker (pytest-xdist, tests/conftest.py), so this test is
+    where the split itself is checked."""
+    from mixserve.layers import gguf_kernels
+    from mixserve.layers.gguf_blocks import BLOCK_SIZES
+    from mixserve.layers.gguf_linear import GGUFWeight, random_blocks
+    from mixserve.layers.kernel_choice import amx_permitted
+
+    torch.manual_seed(9)
+    w = torch.randn(300, 640) * 0.1
+    wp, b, x = invariant_linear.pack(w), torch.randn(300), torch.randn(64, 640)
+    kc, vc = torch.randn(20, 16, 2, 64), torch.randn(20, 16, 2, 64)
+    table = torch.tensor([[7, 3, 9, 1, 5, 11, 13], [2, 4, 6, 8, 10, 12, 14]])
+    q, seqs, lens = torch.randn(37, 14, 64), torch.tensor([0] * 30 + [1] * 7), torch.arange(60, 97)
+    native = {}
+    if gguf_kernels.available():
+        for qtype in BLOCK_SIZES:
+            k = 768 if qtype.endswith("_K") else 640
+            native[qtype] = GGUFWeight.from_blocks(qtype, random_blocks(qtype, 290, k, seed=3), k)
+    xs = {k: (torch.randn(64, k) * torch.linspace(0.1, 3, k)).contiguous() for k in (640, 768)}
+    amx = gguf_kernels.amx_built() and amx_permitted()
+
+    def run():
+        out = [invariant_linear.linear(x, wp, 300, b), paged_rows(q, kc, vc, table, seqs, lens, 0.125)]
+        for gw in native.values():
+            xk = xs[gw.in_features]
+            gw.many = 0
+            out += [gw.matmul(xk[:rows], levels=2) for rows in (1, 3, 64)]
+            if amx:
+                old = gguf_kernels.set_amx(True)
+                try:
+                    gw.many = 1
+                    out.append(gw.matmul(xk, levels=2))
+                finally:
+                    gw.many = 0
+                    gguf_kernels.set_amx(old)
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = run()
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            for i, (a, r) in enumerate(zip(run(), ref)):
+                assert torch.equal(a, r), (n, i)
+    finally:
+        torch.set_num_threads(before)

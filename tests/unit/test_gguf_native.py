@@ -219,7 +219,7 @@ def test_the_forced_avx2_variant_follows_the_same_float_order(tmp_path):
     env = {**os.environ, "MIXSERVE_ISA": "avx2"}
     code = "from mixserve.layers import gguf_kernels; assert gguf_kernels.isa() == 'avx2', gguf_kernels.isa()"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
                         "float_order or bits_it_gets_alone or levels_past_two or bfloat16 or chunks"], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
