@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -343,7 +344,9 @@ def test_usage_rule_through_the_server_with_speculation(spec_server, n, max_toke
     if stop_at is not None and len(ref[0][0]) >= 4:
         at = int(len(ref[0][0]) * stop_at)
         stop = ref[0][0][at:at + 2]
-    got = {s: _completion(cl, s, **base, stop=[stop] if stop else None) for s in (False, True)}
+    with ThreadPoolExecutor(2) as pool:  # streamed and not at once (batch invariance: the same tokens)
+        jobs = {s: pool.submit(_completion, cl, s, **base, stop=[stop] if stop else None) for s in (False, True)}
+        got = {s: j.result() for s, j in jobs.items()}
     n_prompt = len(spec_server.engine.encode(prompt))
     for stream, r in got.items():
         assert r["usage"].completion_tokens == sum(len(c[1]) for c in r["choices"].values())

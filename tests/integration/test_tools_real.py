@@ -44,14 +44,22 @@ def valid_calls(msg) -> list:
 
 
 def test_required_and_named_calls_validate(client):
+    """(The three requests at once: one after another they took 23-32 s of the suite.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
     cl, srv = client
-    r = create(cl, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
-    calls = valid_calls(r.choices[0].message)
-    assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
-    r = create(cl, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
-    calls = valid_calls(r.choices[0].message)
-    assert [c.function.name for c in calls] == ["add"] and r.choices[0].finish_reason == "stop"  # as OpenAI's
-    r = create(cl, tools=TOOLS, tool_choice="required", temperature=1, seed=3, n=3, max_tokens=200)
+    with ThreadPoolExecutor(3) as pool:
+        one = pool.submit(create, cl, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        named = pool.submit(create, cl, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
+        three = pool.submit(create, cl, tools=TOOLS, tool_choice="required", temperature=1, seed=3, n=3, max_tokens=200)
+        r = one.result()
+        calls = valid_calls(r.choices[0].message)
+        assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
+        r = named.result()
+        calls = valid_calls(r.choices[0].message)
+        assert [c.function.name for c in calls] == ["add"] and r.choices[0].finish_reason == "stop"  # as OpenAI's
+        r = three.result()
+    assert len(r.choices) == 3
     for c in r.choices:
         assert valid_calls(c.message), c
 
@@ -68,30 +76,28 @@ def test_auto_calls_when_a_tool_answers_and_talks_when_none_does(client):
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
 
 
-def test_streamed_tool_call_deltas_join_to_the_result(client):
-    cl, _ = client
-    for kw in (dict(tool_choice="required"), dict(tool_choice="auto"), dict(tool_choice="required", temperature=1,
-                                                                          seed=5)):
-        whole = create(cl, tools=TOOLS, **kw).choices[0]
-        calls, content, finish = {}, "", None
-        for ch in create(cl, tools=TOOLS, stream=True, **kw):
-            if not ch.choices:
-                continue
-            d = ch.choices[0].delta
-            content += d.content or ""
-            for tc in d.tool_calls or []:
-                c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                if tc.id:
-                    assert c["id"] is None and not c["arguments"]  # the id and name come first
-                    c["id"] = tc.id
-                c["name"] += (tc.function.name or "") if tc.function else ""
-                c["arguments"] += (tc.function.arguments or "") if tc.function else ""
-            finish = ch.choices[0].finish_reason or finish
-        want = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls or []]
-        assert [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())] == want, kw
-        assert (content or None) == whole.message.content and finish == whole.finish_reason
-    # logprobs and token ids stream with tool replies too, one entry per counted token
-    n_ids = n_lps = 0
+def _streamed(cl, kw) -> tuple[dict, str, str | None]:
+    """One streamed reply's tool calls (index -> id, name, arguments), content and finish reason."""
+    calls, content, finish = {}, "", None
+    for ch in create(cl, tools=TOOLS, stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            if tc.id:
+                assert c["id"] is None and not c["arguments"]  # the id and name come first
+                c["id"] = tc.id
+            c["name"] += (tc.function.name or "") if tc.function else ""
+            c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = ch.choices[0].finish_reason or finish
+    return calls, content, finish
+
+
+def _logprobs_stream(cl) -> tuple[int, int, int]:
+    """(token ids, logprob entries, usage's completion tokens) of a streamed required call."""
+    n_ids = n_lps = used = 0
     for ch in create(cl, tools=TOOLS, stream=True, tool_choice="required", logprobs=True, top_logprobs=1,
                      stream_options={"include_usage": True}, extra_body={"return_token_ids": True}):
         if ch.usage is not None:
@@ -99,7 +105,29 @@ def test_streamed_tool_call_deltas_join_to_the_result(client):
         for c in ch.choices:
             n_ids += len(getattr(c, "token_ids", None) or (c.model_extra or {}).get("token_ids") or [])
             n_lps += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
-    assert n_ids == used and n_lps == used
+    return n_ids, n_lps, used
+
+
+def test_streamed_tool_call_deltas_join_to_the_result(client):
+    """Each streamed reply's deltas join to the non-streamed reply's calls, content and finish. The
+    seven requests run at once (batch invariance makes each the same alone or beside the others;
+    one after another they took 37-50 s of the suite)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cl, _ = client
+    kws = (dict(tool_choice="required"), dict(tool_choice="auto"), dict(tool_choice="required", temperature=1, seed=5))
+    with ThreadPoolExecutor(7) as pool:
+        wholes = [pool.submit(create, cl, tools=TOOLS, **kw) for kw in kws]
+        streams = [pool.submit(_streamed, cl, kw) for kw in kws]
+        lps = pool.submit(_logprobs_stream, cl)
+        for kw, whole, stream in zip(kws, wholes, streams):
+            whole, (calls, content, finish) = whole.result().choices[0], stream.result()
+            want = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls or []]
+            assert [{"name": c["name"], "arguments": c["arguments"]} for _, c in sorted(calls.items())] == want, kw
+            assert (content or None) == whole.message.content and finish == whole.finish_reason
+        # logprobs and token ids stream with tool replies too, one entry per counted token
+        n_ids, n_lps, used = lps.result()
+    assert used > 0 and n_ids == used and n_lps == used
 
 
 def test_a_second_turn_sends_the_result_back_and_is_answered(client):
