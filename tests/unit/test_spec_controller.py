@@ -232,3 +232,15 @@ def test_a_catch_up_past_the_drafts_timed_rows_grows_as_the_targets_row_curve():
     # the target's 100-row step costs 4x its 1-row step, so the draft's is put at 4 x 0.3, not 100 x 0.3
     assert ctl._draft_cost(100) == pytest.approx(1.2)
     assert ctl._draft_cost(1) == pytest.approx(0.3)
+
+
+def test_auto_speculates_only_past_the_margin_over_plain():
+    """Issue 34: speculation is taken over plain decoding only where its predicted rate beats plain's
+    by SpecController.MARGIN (the tables' noise); between speculative k's the better one wins."""
+    m = SpecController.MARGIN
+    a = 0.5  # k = 1 at alpha a: E(1) = 1 + a tokens for a 2-row target step (1.0 s) + a draft step
+    for gain, want in ((1 + m / 2, 0), (1 + 2 * m, 1)):
+        ctl = timed(1, {1: 1.0, 2: 1.0}, (1 + a) / gain - 1.0)  # k = 1 at `gain` x plain's rate
+        assert [ctl.choose([a], 0) for _ in range(10)] == [want] * 10, gain
+    free = timed(2, {1: 1.0, 2: 1.0, 3: 1.0}, 0.0)  # a free draft at alpha 0.9: the best k, 2
+    assert [free.choose([0.9], 0) for _ in range(10)] == [2] * 10
