@@ -8,29 +8,51 @@ import torch
 
 
 def _cores() -> int:
+    """The cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
+    container's --cpus leaves the mask as it is)."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
+@pytest.hookimpl(optionalhook=True)  # a known hook only where pytest-xdist is installed
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one pytest-xdist worker a core, as many as memory holds at
     ~8 GiB each (a worker may hold the 0.5B's float32 engine and its HF reference at once), at most
-    4; 0 (no workers, the run in this process) on one core. Two workers took the suite from 1073 to
-    678 s on CI's 2-core kind (BENCHMARKS.md, the suite's time): much of it is one-threaded (Dynamo and Inductor
-    compiles, imports, tokenizers, servers' and Ray's start-ups, the HTTP round trips)."""
+    4; 0 (no workers, the run in this process) on one core. PYTEST_XDIST_AUTO_NUM_WORKERS, where set,
+    decides instead. Two workers took the suite from 1073 to 678 s on CI's 2-core kind (BENCHMARKS.md,
+    the suite's time): much of it is one-threaded (Dynamo and Inductor compiles, imports,
+    tokenizers, servers' and Ray's start-ups, the HTTP round trips)."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
     mem_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    n = max(1, min(_cores(), int(mem_gib // 8), 4))
+    n = max(1, min(_cores(), round(mem_gib / 8), 4))
     return 0 if n == 1 else n
 
 
+def pytest_collection_modifyitems(config, items):
+    """The Ray tests first: pytest-xdist's worksteal gives each worker a contiguous share of this
+    order and steals from the ends of the shares, so the first module is never split between
+    workers (a split module builds its module fixtures in both: a second Ray cluster, ~25 s)."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable: order kept within
+
+
 # A worker's share of the cores (its servers and CLI runs inherit it through OMP_NUM_THREADS): the
-# workers together use each core once. The kernels' split across threads is checked by a test that
-# sets its own counts (test_batch_invariance.py, test_the_thread_count_changes_no_bits).
+# workers together use each core once; at most 2 threads either way, as CI's 2-core machine runs it.
+# The kernels' split across threads is checked by a test that sets its own counts
+# (test_batch_invariance.py, test_the_thread_count_changes_no_bits).
 _threads = max(1, min(2, _cores()))
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _threads = max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _threads = max(1, min(2, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 torch.set_num_threads(_threads)
 

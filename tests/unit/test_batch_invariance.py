@@ -317,11 +317,12 @@ def test_silu_mul_rows_do_not_depend_on_the_row_count(dtype):
 
 def test_the_thread_count_changes_no_bits():
     """The kernels split their work across threads by output columns, rows or heads, never inside a
-    row's reduction: the invariant linear, the paged attention rows and every native GGUF kernel
-    (few-row at 1 and 3 rows, many-row at 64, AMX's where it runs) give the same bits at 1, 2 and 3
-    threads. The suite runs one thread a worker (pytest-xdist, tests/conftest.py), so this test is
-    where the split itself is checked."""
-    from mixserve.layers import gguf_kernels
+    row's reduction: the invariant linear (at 3 and 64 rows), the paged attention rows, the bf16 GEMV,
+    the int4 VNNI kernel (levels 1 and 3), and every native GGUF kernel (few-row at 1 and 3 rows with
+    one and two panels a pass, int8 levels 1-3, float32 and bfloat16 rows; many-row at 64; AMX's where
+    it runs; the dequantization) give the same bits at 1, 2 and 3 threads. The suite runs one thread a
+    worker (pytest-xdist, tests/conftest.py), so this test is where the split itself is checked."""
+    from mixserve.layers import bf16_gemv, gguf_kernels, int4_vnni
     from mixserve.layers.gguf_blocks import BLOCK_SIZES
     from mixserve.layers.gguf_linear import GGUFWeight, random_blocks
     from mixserve.layers.kernel_choice import amx_permitted
@@ -332,6 +333,9 @@ def test_the_thread_count_changes_no_bits():
     kc, vc = torch.randn(20, 16, 2, 64), torch.randn(20, 16, 2, 64)
     table = torch.tensor([[7, 3, 9, 1, 5, 11, 13], [2, 4, 6, 8, 10, 12, 14]])
     q, seqs, lens = torch.randn(37, 14, 64), torch.tensor([0] * 30 + [1] * 7), torch.arange(60, 97)
+    wb, xb = w.bfloat16(), x[:3].bfloat16()
+    q4 = int4_vnni.pack(torch.randint(0, 16, (300, 640))) if int4_vnni.available() else None
+    s4, m4 = torch.rand(300, 5).half() * 0.1, torch.randn(300, 5).half() * 0.1
     native = {}
     if gguf_kernels.available():
         for qtype in BLOCK_SIZES:
@@ -341,11 +345,22 @@ def test_the_thread_count_changes_no_bits():
     amx = gguf_kernels.amx_built() and amx_permitted()
 
     def run():
-        out = [invariant_linear.linear(x, wp, 300, b), paged_rows(q, kc, vc, table, seqs, lens, 0.125)]
+        out = [invariant_linear.linear(x, wp, 300, b), invariant_linear.linear(x[:3], wp, 300, b),
+               paged_rows(q, kc, vc, table, seqs, lens, 0.125)]
+        if bf16_gemv.available():
+            out.append(bf16_gemv.gemv(xb, wb, None, torch.float32))
+        if q4 is not None:
+            out += [int4_vnni.int4_vnni_matmul(x[:3], q4, s4, m4, 128, levels) for levels in (1, 3)]
         for gw in native.values():
             xk = xs[gw.in_features]
             gw.many = 0
-            out += [gw.matmul(xk[:rows], levels=2) for rows in (1, 3, 64)]
+            out.append(gw.dequantize())
+            for passes in (1, 2):  # one panel a pass, two (few2)
+                gw.passes = passes
+                out += [gw.matmul(xk[:rows], levels=levels) for rows in (1, 3) for levels in (1, 2, 3)]
+                out.append(gw.matmul(xk[:3].bfloat16(), levels=2))
+            gw.passes = 0
+            out.append(gw.matmul(xk, levels=2))
             if amx:
                 old = gguf_kernels.set_amx(True)
                 try:
