@@ -32,7 +32,7 @@ from mixserve.engine.llm_engine import NO_TOKENS, LLMEngine, RequestOutput
 from mixserve.server.engine_loop import EngineFailure, EngineLoop, ServerOverloaded
 from mixserve.server.logprobs import (OffsetCounter, TokenText, chat_logprobs, completion_logprobs,
                                       empty_completion_logprobs, join_logprobs, prompt_logprobs)
-from mixserve.server.metrics import ServerMetrics
+from mixserve.server.metrics import ServerMetrics, decode_graph_pending
 from mixserve.server import tool_calls
 from mixserve.server.protocol import (CONSTRAINT_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
                                       bad_request, check_api_key, field_error, parse_request, sampling_params,
@@ -289,7 +289,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, tokenizer=None) -> FastAPI:
     async def health():
         if not loop.alive:
             raise APIError(503, "the engine thread is not running", type="server_error")
-        return {"status": "ok"}
+        # decode_graph_pending: the graph still compiles in the background (steps run eager, slower,
+        # beside the compile): a benchmark waits for false (benchmarks/suggest_vs_default.py)
+        return {"status": "ok", "decode_graph_pending": decode_graph_pending(loop.engine)}
 
     @app.get("/metrics")
     async def prometheus_metrics():

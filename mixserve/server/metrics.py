@@ -20,6 +20,14 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08,
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 
+def decode_graph_pending(engine: LLMEngine) -> bool:
+    """Whether the engine's decode graph is still compiling or loading in the background
+    (engine/decode_graph.BackgroundGraph): steps run eager until it is ready (and installed at the
+    next step)."""
+    bg = getattr(getattr(engine, "runner", None), "pending_graph", None)
+    return bg is not None and not bg.ready.is_set()
+
+
 class _EngineCollector:
     """Reads engine counters at scrape time. The reads race with the engine thread, but each is
     one atomic int / len read, so a scrape sees values at most one step apart."""
@@ -42,6 +50,10 @@ class _EngineCollector:
         # the vendor-neutral KVCacheUtilization gauge external routers read (vLLM's kv_cache_usage_perc)
         yield GaugeMetricFamily("mixserve_kv_cache_usage_perc", "KV cache blocks in use / in all (0 to 1).",
                                 value=bm.num_used_blocks / max(1, bm.num_blocks))
+        # a benchmark started before the graph is in measures eager steps beside a compile
+        yield GaugeMetricFamily("mixserve_decode_graph_pending",
+                                "1 while the decode graph compiles or loads in the background (steps run "
+                                "eager until it is installed), else 0.", value=int(decode_graph_pending(eng)))
         yield CounterMetricFamily("mixserve_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=eng.scheduler.num_preemptions)
         yield CounterMetricFamily("mixserve_prompt_tokens", "Prompt tokens of accepted requests (a prompt of n > 1 samples once, "

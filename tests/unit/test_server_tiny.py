@@ -1,6 +1,7 @@
 """Server pieces on a tiny random model (no tokenizer: token-id prompts), and request parsing."""
 import json
 import time
+import types
 
 import httpx
 import pytest
@@ -268,7 +269,20 @@ def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
             assert httpx.get(srv.url + path, headers=key, timeout=60).status_code == 200, path
         assert "/v1/completions" in httpx.get(srv.url + "/openapi.json", headers=key, timeout=60).json()["paths"]
-        assert httpx.get(srv.url + "/health", timeout=60).status_code == 200
+        health = httpx.get(srv.url + "/health", timeout=60)
+        assert health.status_code == 200 and health.json() == {"status": "ok", "decode_graph_pending": False}
+        # as while a graph compiles (no request is in flight: no step reads it meanwhile)
+        compiling = types.SimpleNamespace(ready=threading.Event())
+        eng.runner.pending_graph, pending = compiling, eng.runner.pending_graph
+        try:
+            assert httpx.get(srv.url + "/health", timeout=60).json()["decode_graph_pending"] is True
+            text = httpx.get(srv.url + "/metrics", timeout=60).text
+            assert {s.name: s.value for f in text_string_to_metric_families(text)
+                    for s in f.samples}["mixserve_decode_graph_pending"] == 1
+            compiling.ready.set()  # compiled: installed at the next step, no longer pending
+            assert httpx.get(srv.url + "/health", timeout=60).json()["decode_graph_pending"] is False
+        finally:
+            eng.runner.pending_graph = pending
         r = httpx.post(srv.url + "/v1/completions", headers=key,
                        json={"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 4, "ignore_eos": True},
                        timeout=60)
@@ -280,6 +294,7 @@ def test_docs_need_the_key_health_and_metrics_do_not_and_step_timer(tiny_folder)
         assert m["mixserve_engine_step_seconds_count"] == eng.num_steps == 4
         assert m["mixserve_engine_step_tokens_total"] == 5 + 3
         assert 0 < m["mixserve_engine_step_seconds_sum"]
+        assert m["mixserve_decode_graph_pending"] == 0
     finally:
         srv.stop()
     open_srv = LiveServer(plain_engine(tiny_folder), ServerConfig("tiny"))
