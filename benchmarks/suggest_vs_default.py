@@ -198,7 +198,8 @@ def main() -> int:
                "default": doc["default"]["config"]["summary"], "measured": med, "runs": meas,
                "predicted_gain": (ps["goodput_requests_per_s"] / pd["goodput_requests_per_s"] if a.slo
                                   else ps["throughput_output_tokens_per_s"] / pd["throughput_output_tokens_per_s"]),
-               "measured_gain": med["suggested"][key] / med["default"][key],
+               # None where the default met nothing (goodput 0): no ratio, the runs say the rest
+               "measured_gain": med["suggested"][key] / med["default"][key] if med["default"][key] else None,
                "search_wall_s": doc["wall_s"], "configurations": doc["configurations_simulated"]}
         if a.slo:
             row["rate_requests_per_s"] = slo_rate
@@ -219,7 +220,8 @@ def main() -> int:
     print(f"\n{'trace':38} {'gain pred':>9} {'meas':>6}   {'suggested: err thr / TTFT p50 / TPOT p50':>42}   suggested")
     for r in rows:
         e = r["error_pct"]
-        print(f"{r['trace']:38} {r['predicted_gain']:9.2f} {r['measured_gain']:6.2f}   "
+        gain = "-" if r["measured_gain"] is None else f"{r['measured_gain']:.2f}"
+        print(f"{r['trace']:38} {r['predicted_gain']:9.2f} {gain:>6}   "
               f"{e['throughput']:+13.1f}% {e['ttft_p50']:+9.1f}% {e['tpot_p50']:+9.1f}%   {r['suggested']}")
     print(f"wrote {out}")
     return 0
