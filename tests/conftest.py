@@ -39,13 +39,6 @@ def pytest_xdist_auto_num_workers(config):
     return 0 if n == 1 else n
 
 
-def pytest_collection_modifyitems(config, items):
-    """The Ray tests first: pytest-xdist's worksteal gives each worker a contiguous share of this
-    order and steals from the ends of the shares, so the first module is never split between
-    workers (a split module builds its module fixtures in both: a second Ray cluster, ~25 s)."""
-    items.sort(key=lambda item: item.get_closest_marker("ray") is None)  # stable: order kept within
-
-
 # A worker's share of the cores (its servers and CLI runs inherit it through OMP_NUM_THREADS): the
 # workers together use each core once; at most 2 threads either way, as CI's 2-core machine runs it.
 # The kernels' split across threads is checked by a test that sets its own counts
