@@ -241,12 +241,25 @@ def publish_or_scratch(out: Path, fill, complete, what: str) -> Path:
     return tmp
 
 
+_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+
+
 def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
+    """CPUs this process may run on: its affinity mask (os.cpu_count() where that is unknown), capped
+    by a cgroup v2 CPU quota (/sys/fs/cgroup/cpu.max: a container's --cpus leaves the mask as it is,
+    and threads past the quota are throttled)."""
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    try:
+        with open(_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def cpu_model() -> str:

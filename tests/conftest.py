@@ -6,21 +6,7 @@ import tempfile
 import pytest
 import torch
 
-
-def _cores() -> int:
-    """The cores this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a
-    container's --cpus leaves the mask as it is)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
+from mixserve.env import usable_cores
 
 
 @pytest.hookimpl(optionalhook=True)  # a known hook only where pytest-xdist is installed
@@ -35,7 +21,7 @@ def pytest_xdist_auto_num_workers(config):
     if env:
         return int(env)
     mem_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    n = max(1, min(_cores(), round(mem_gib / 8), 4))
+    n = max(1, min(usable_cores(), round(mem_gib / 8), 4))
     return 0 if n == 1 else n
 
 
@@ -43,9 +29,9 @@ def pytest_xdist_auto_num_workers(config):
 # workers together use each core once; at most 2 threads either way, as CI's 2-core machine runs it.
 # The kernels' split across threads is checked by a test that sets its own counts
 # (test_batch_invariance.py, test_the_thread_count_changes_no_bits).
-_threads = max(1, min(2, _cores()))
+_threads = max(1, min(2, usable_cores()))
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _threads = max(1, min(2, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _threads = max(1, min(2, usable_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 torch.set_num_threads(_threads)
 

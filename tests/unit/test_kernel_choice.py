@@ -166,6 +166,22 @@ def test_amx_only_where_the_permission_request_succeeds(monkeypatch):
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
 
 
+def test_usable_cores_is_capped_by_a_cgroup_cpu_quota(monkeypatch, tmp_path):
+    """A container's --cpus (cgroup v2 cpu.max) caps the cores the affinity mask shows."""
+    import mixserve.env as env
+
+    f = tmp_path / "cpu.max"
+    monkeypatch.setattr(env, "_CPU_MAX", str(f))
+    f.write_text("max 100000\n")
+    mask = env.usable_cores()
+    f.write_text("50000 100000\n")  # half a CPU: one core
+    assert env.usable_cores() == 1
+    f.write_text("150000 100000\n")  # 1.5 CPUs: two, where the mask has them
+    assert env.usable_cores() == min(mask, 2)
+    f.write_text("garbage\n")
+    assert env.usable_cores() == mask
+
+
 def test_threads_never_exceed_cores(monkeypatch):
     import mixserve.layers.kernel_choice as kc
 
