@@ -221,6 +221,15 @@ class SpecController:
     # on the noise's side lost: `auto` 0.983x plain on ShareGPT at temperature 1 (BENCHMARKS.md,
     # issue 34's third round). A gain under 3% is not one the tables can tell from noise.
     MARGIN = 0.03
+    # a refresh that falls due while the draft lags (the tokens of plain steps it has not seen) makes
+    # its first forward catch up on them: past REFRESH_EVERY steps of waiting for a draft in step it
+    # is taken anyway only where that catch-up costs at most this share of the plain steps waited.
+    # After n plain steps of one stream the catch-up is ~n tokens of draft prefill, ~3-5% of those
+    # steps' time whatever n is: forced every 100 steps, 7 catch-ups of 40-115 tokens (264-579 ms
+    # each) cost 2.2% of a ShareGPT run at temperature 1, where `auto` came to 0.977x plain (1.5B
+    # native target, 0.5B draft, the AMX Xeon, 2026-12-07). A single stream's refreshes thus wait
+    # for its next request; a batch whose one row lags a few tokens still gets its refresh.
+    REFRESH_BUDGET = 0.01
 
     def _best(self, alphas: list[float], prefill_tokens: int, lag: int = 0) -> int:
         b = len(alphas)
@@ -266,11 +275,21 @@ class SpecController:
         # of the 0.5B draft, 2.3 target steps every 50 (auto 0.90x plain at temperature 1); but not
         # past another REFRESH_EVERY steps (overlapping requests are seldom all in step at once)
         waited = self._auto_steps - self._refresh_due if self._refresh_due else 0
-        if self._refresh_due and (best_k > 0 or lag <= b or waited >= self.REFRESH_EVERY) \
+        if self._refresh_due and (best_k > 0 or lag <= b or (waited >= self.REFRESH_EVERY
+                                                             and self._catch_up_fits(b, lag, prefill_tokens, waited))) \
                 and fits(best_k + 1 if best_k < self.k_max else best_k - 1):
             self._refresh_due = 0
             return best_k + 1 if best_k < self.k_max else best_k - 1
         return best_k
+
+    def _catch_up_fits(self, b: int, lag: int, prefill_tokens: int, waited: int) -> bool:
+        """Whether a forced refresh's catch-up (the draft's first forward over b + lag rows instead of
+        b) costs at most REFRESH_BUDGET of the `waited` plain steps' time since it fell due."""
+        plain = self.target.estimate(b + prefill_tokens)
+        one = self.draft.estimate(b)
+        if plain is None or one is None:
+            return True  # nothing timed yet to weigh it by
+        return self._draft_cost(b + lag) - one <= self.REFRESH_BUDGET * waited * plain
 
     def _draft_cost(self, rows: int) -> float:
         """Seconds of a draft forward over `rows` rows: measured where the draft has been timed at as
