@@ -43,19 +43,21 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     rd = gguf.GGUFReader(str(resolve_model(a.model).path))
     seen, results = set(), []
+    # the LM head: the file's output tensor, or the embedding where the head is tied to it
+    head = "output" if any(t.name == "output.weight" for t in rd.tensors) else "token_embd"
     for t in rd.tensors:
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
         tt = t.tensor_type.name
-        if tt == "F32" or kind == "output" or (kind, tt) in seen:
+        if tt == "F32" or kind in ({"output", "token_embd"} - {head}) or (kind, tt) in seen:
             continue
         seen.add((kind, tt))
-        levels = 3 if kind == "token_embd" else gguf_linear.ACT_LEVELS  # the tied LM head's levels
+        levels = 3 if kind == head else gguf_linear.ACT_LEVELS  # the LM head's levels
         k, n = int(t.shape[0]), int(t.shape[1])
         w = GGUFWeight.from_blocks(tt, np.asarray(t.data), k)
         copies = [w] + [GGUFWeight.from_blocks(tt, np.asarray(t.data), k) for _ in range(max(0, int(96e6 // w.nbytes()) - 1))]
         for c in copies:
             c.prefetch = -1
-        row = {"tensor": "lm_head" if kind == "token_embd" else kind, "type": tt, "shape": f"{n}x{k}",
+        row = {"tensor": "lm_head" if kind == head else kind, "type": tt, "shape": f"{n}x{k}",
                "levels": levels, "copies": len(copies)}
         times = {}
         with torch.inference_mode():

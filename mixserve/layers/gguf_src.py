@@ -59,7 +59,7 @@ SRC = r"""
 #endif
 
 // int16 activation rows run by streaming passes through the weights (the few-row kernel, up to
-// 4 rows a pass) before the many-row kernel; gguf_wide_rows(n) sets it (n >= 1; else only reads it)
+// 4 rows a pass, or 5 where that many are left) before the many-row kernel; gguf_wide_rows(n) sets it (n >= 1; else only reads it)
 // and returns the value before (both give the same bits)
 static int64_t g_wide_rows = 8;
 // whether the many-row kernel may run on AMX-INT8 tiles (built where the compiler targets AMX; the
@@ -941,8 +941,11 @@ static void many_amx(const Layout& L, const Act& A, float* y) {
 // caller may time both per weight (passes 1: one panel a pass, 2: two; gguf_linear's `gguf_passes`)
 template <int R, int G, int HB, bool ALT = false>
 static inline void fewp(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF, int passes) {
-  if (G == 16 && (passes == 2 || (passes == 0 && L.K >= 4096))) few2<R, G, HB, ALT>(L, A, r0, y, PF);
-  else few<R, G, HB, ALT>(L, A, r0, y, PF);
+  // two panels hold 4 rows' accumulators in registers at most: more rows take one panel a pass
+  if constexpr (R <= 4) {
+    if (G == 16 && (passes == 2 || (passes == 0 && L.K >= 4096))) return few2<R, G, HB, ALT>(L, A, r0, y, PF);
+  }
+  few<R, G, HB, ALT>(L, A, r0, y, PF);
 }
 
 template <int G, int HB>
@@ -952,20 +955,32 @@ static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_
   if (A.RQ > wide && amx) return many_amx<G, HB>(L, A, y);
 #endif
   if (A.RQ > wide) return many<G, HB>(L, A, y);
+  // passes of 4 rows, but 5 rows left (a speculative verification of k = 4) in one pass, and the LM
+  // head's three levels in passes of 3 pairs where 3 are left (k = 2's 3 rows, 6 int8 rows): a second
+  // pass for the last one row or pair read the whole weight again. The 1.5B's weights on the AMX Xeon
+  // (benchmarks/gguf_wide_rows.py, 2026-12-07): 5 rows 0.62-0.95x the time of 4 + 1 (gate/up Q4_K
+  // 0.61-0.68x), the Q6_K head at 3 rows 0.86x of 4 + 2; 6 rows in one pass (18 accumulators) ran
+  // 0.97-1.24x the time of 4 + 2, so they keep two passes
   if (alt) {  // three levels: rows in pairs (an int16 row, its rest's int8 row)
-    for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
-      if (A.RQ - r0 >= 4) fewp<4, G, HB, true>(L, A, r0, y, PF, passes);
-      else fewp<2, G, HB, true>(L, A, r0, y, PF, passes);
+    for (int64_t r0 = 0; r0 < A.RQ;) {
+      const int64_t left = A.RQ - r0;
+      if (left == 6) { fewp<6, G, HB, true>(L, A, r0, y, PF, passes); r0 += 6; }
+      else if (left >= 4) { fewp<4, G, HB, true>(L, A, r0, y, PF, passes); r0 += 4; }
+      else { fewp<2, G, HB, true>(L, A, r0, y, PF, passes); r0 += 2; }
     }
     return;
   }
-  for (int64_t r0 = 0; r0 < A.RQ; r0 += 4) {
-    switch (std::min<int64_t>(4, A.RQ - r0)) {
+  for (int64_t r0 = 0; r0 < A.RQ;) {
+    const int64_t left = A.RQ - r0;
+    const int64_t n = left == 5 ? 5 : std::min<int64_t>(4, left);
+    switch (n) {
       case 1: fewp<1, G, HB>(L, A, r0, y, PF, passes); break;
       case 2: fewp<2, G, HB>(L, A, r0, y, PF, passes); break;
       case 3: fewp<3, G, HB>(L, A, r0, y, PF, passes); break;
+      case 5: fewp<5, G, HB>(L, A, r0, y, PF, passes); break;
       default: fewp<4, G, HB>(L, A, r0, y, PF, passes); break;
     }
+    r0 += n;
   }
 }
 #endif  // GGUF_VNNI

@@ -135,13 +135,13 @@ def float_order_reference(qtype: str, blocks: np.ndarray, k: int, x: np.ndarray,
 def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
     """Every variant of the kernel (AVX512-VNNI, AVX2) computes the float order gguf_src.py writes
     down, so they give the same bits (issue 43): checked against a numpy emulation of it, at 1, 2,
-    5 and 13 rows (the few-row and the many-row kernels), whole and partial panels, with and without
+    5, 6 and 13 rows (the few-row kernel's passes of 4, 5 and 6 rows, the many-row kernel), whole and partial panels, with and without
     prefetch, at one int8 level and at the engine's two (one int16 row)."""
     torch.manual_seed(3)
     for n, k in shapes(qtype):
         blocks = random_blocks(qtype, n, k, seed=2)
         w = GGUFWeight.from_blocks(qtype, blocks, k)
-        for rows in (1, 2, 5, 13):
+        for rows in (1, 2, 5, 6, 13):
             x = (torch.randn(rows, k) * torch.linspace(0.1, 3, k)).contiguous()
             for levels in (1, 2):
                 ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x.numpy(), levels))
@@ -344,8 +344,9 @@ def test_bfloat16_activations_go_in_as_their_float32_values(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_streaming_passes_at_few_rows_give_the_many_row_kernels_bits(qtype):
     """Issue 34: up to `set_wide_rows` int16 activation rows (a 2-8-row step: speculative
-    verification) run by the few-row kernel's streaming passes, 4 a pass, instead of the many-row
-    kernel; each row gets the same bits either way, and the bits it gets alone."""
+    verification) run by the few-row kernel's streaming passes, 4 a pass or 5-6 where that many are
+    left, instead of the many-row kernel; each row gets the same bits either way, and the bits it gets
+    alone."""
     from mixserve.layers import gguf_kernels
 
     torch.manual_seed(6)
@@ -356,7 +357,7 @@ def test_streaming_passes_at_few_rows_give_the_many_row_kernels_bits(qtype):
     try:
         for levels in (2, 3):
             alone = torch.cat([w.matmul(x[i:i + 1], levels=levels) for i in range(8)])
-            for rows in (3, 4, 5, 8):
+            for rows in (3, 4, 5, 6, 7, 8):
                 gguf_kernels.set_wide_rows(16)
                 y = w.matmul(x[:rows], levels=levels)
                 gguf_kernels.set_wide_rows(4)
