@@ -243,7 +243,26 @@ def test_a_refresh_never_forces_a_catch_up_that_costs_more_than_its_budget():
         ctl.observe(0, 1)
     ks = [ctl.choose([0.3], 0, lag=50 + i) for i in range(ctl.REFRESH_EVERY * 6)]
     assert set(ks) == {0}
+    # a prefill chunk beside the decode row prices nothing: the steps waited were plain decode steps
+    for _ in range(3):
+        ctl.target.record(501, 20.0)
+    assert ctl.choose([0.3], 500, lag=400) == 0
     assert ctl.choose([0.3], 0, lag=0) == 1  # the next request's first decode: the refresh
+
+
+def test_a_refresh_whose_neighbour_above_cannot_run_tries_the_one_below():
+    """k = 1 pays and k = 2's rows are past the token budget: the refresh re-times plain decoding
+    instead of staying due for ever."""
+    ctl = SpecController("auto", 2, max_rows=2)
+    for _ in range(3):
+        ctl.target.record(1, 1.0)
+        ctl.target.record(2, 1.05)
+        ctl.draft.record(1, 0.05)
+    for _ in range(50):
+        ctl.observe(1, 1)
+    ks = [ctl.choose([0.95], 0) for _ in range(ctl.REFRESH_EVERY * 3)]
+    assert ks.count(0) >= 2 and set(ks) == {0, 1}
+    assert ctl._refresh_due == 0 or ctl._auto_steps - ctl._refresh_due < ctl.REFRESH_EVERY
 
 
 def test_a_catch_up_past_the_drafts_timed_rows_grows_as_the_targets_row_curve():
