@@ -59,8 +59,8 @@ SRC = r"""
 #endif
 
 // int16 activation rows run by streaming passes through the weights (the few-row kernel, up to
-// 4 rows a pass, or 5 where that many are left) before the many-row kernel; gguf_wide_rows(n) sets it (n >= 1; else only reads it)
-// and returns the value before (both give the same bits)
+// 4 rows a pass, or 5 where 5 are left: run_rows) before the many-row kernel; gguf_wide_rows(n)
+// sets it (n >= 1; else only reads it) and returns the value before (both give the same bits)
 static int64_t g_wide_rows = 8;
 // whether the many-row kernel may run on AMX-INT8 tiles (built where the compiler targets AMX; the
 // caller allows it only where the process may use AMX, Linux's per-process permission), for the

@@ -135,8 +135,9 @@ def float_order_reference(qtype: str, blocks: np.ndarray, k: int, x: np.ndarray,
 def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
     """Every variant of the kernel (AVX512-VNNI, AVX2) computes the float order gguf_src.py writes
     down, so they give the same bits (issue 43): checked against a numpy emulation of it, at 1, 2,
-    5, 6 and 13 rows (the few-row kernel's passes of 4, 5 and 6 rows, the many-row kernel), whole and partial panels, with and without
-    prefetch, at one int8 level and at the engine's two (one int16 row)."""
+    5, 6 and 13 rows (the few-row kernel's passes of 5 rows and of 4 + 2, the many-row kernel),
+    whole and partial panels, with and without prefetch, at one int8 level and at the engine's two
+    (one int16 row)."""
     torch.manual_seed(3)
     for n, k in shapes(qtype):
         blocks = random_blocks(qtype, n, k, seed=2)
@@ -344,9 +345,9 @@ def test_bfloat16_activations_go_in_as_their_float32_values(qtype):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_streaming_passes_at_few_rows_give_the_many_row_kernels_bits(qtype):
     """Issue 34: up to `set_wide_rows` int16 activation rows (a 2-8-row step: speculative
-    verification) run by the few-row kernel's streaming passes, 4 a pass or 5-6 where that many are
-    left, instead of the many-row kernel; each row gets the same bits either way, and the bits it gets
-    alone."""
+    verification) run by the few-row kernel's streaming passes, 4 rows a pass or 5 where 5 are left
+    (at the LM head's three levels 2 rows a pass, or 3 where 3 are left), instead of the many-row
+    kernel; each row gets the same bits either way, and the bits it gets alone."""
     from mixserve.layers import gguf_kernels
 
     torch.manual_seed(6)
