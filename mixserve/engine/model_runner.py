@@ -332,6 +332,13 @@ class ModelRunner:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
+    @property
+    def graph_pending(self) -> bool:
+        """Whether the decode graph still compiles or loads in the background (decode steps run eager
+        until it is ready, then it is installed at the next step)."""
+        bg = self.pending_graph
+        return bg is not None and not bg.ready.is_set()
+
     def install_graph(self, wait: float | None = 0) -> bool:
         """Install the background decode graph if it is ready (waiting up to `wait` seconds;
         None: until it is). Between steps only: a step runs wholly eager or wholly compiled.

@@ -960,7 +960,10 @@ static void run_rows(const Layout& L, const Act& A, float* y, int64_t PF, int64_
   // pass for the last one row or pair read the whole weight again. The 1.5B's weights on the AMX Xeon
   // (benchmarks/gguf_wide_rows.py, 2026-12-07): 5 rows 0.62-0.95x the time of 4 + 1 (gate/up Q4_K
   // 0.61-0.68x), the Q6_K head at 3 rows 0.86x of 4 + 2; 6 rows in one pass (18 accumulators) ran
-  // 0.97-1.24x the time of 4 + 2, so they keep two passes
+  // 0.97-1.24x the time of 4 + 2, so they keep two passes. A fixed rule, timed on that CPU only: the
+  // single pass runs the same vpdpbusd and float steps per row and drops the second pass's weight
+  // loads and unpacking, and 5 rows' 15 accumulators fit AVX-512's 32 registers on every CPU that
+  // has it (6 rows' spill); the Zen 5 should time it at its next start there (gguf_wide_rows.py)
   if (alt) {  // three levels: rows in pairs (an int16 row, its rest's int8 row)
     for (int64_t r0 = 0; r0 < A.RQ;) {
       const int64_t left = A.RQ - r0;

@@ -22,10 +22,8 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 
 def decode_graph_pending(engine: LLMEngine) -> bool:
     """Whether the engine's decode graph is still compiling or loading in the background
-    (engine/decode_graph.BackgroundGraph): steps run eager until it is ready (and installed at the
-    next step)."""
-    bg = getattr(getattr(engine, "runner", None), "pending_graph", None)
-    return bg is not None and not bg.ready.is_set()
+    (ModelRunner.graph_pending; False for an engine without a model runner)."""
+    return bool(getattr(getattr(engine, "runner", None), "graph_pending", False))
 
 
 class _EngineCollector:

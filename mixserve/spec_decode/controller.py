@@ -281,9 +281,8 @@ class SpecController:
         waited = self._auto_steps - self._refresh_due if self._refresh_due else 0
         # the neighbour above, or below where the one above is past k_max or the token budget (a
         # refresh that could never run stayed due for ever, and no other fell due)
-        up = best_k + 1 if best_k < self.k_max and fits(best_k + 1) else None
-        nb = up if up is not None else best_k - 1
-        if self._refresh_due and nb >= 0 and fits(nb) and (best_k > 0 or lag <= b or (
+        nb = best_k + 1 if best_k < self.k_max and fits(best_k + 1) else best_k - 1  # below best_k: fits
+        if self._refresh_due and nb >= 0 and (best_k > 0 or lag <= b or (
                 waited >= self.REFRESH_EVERY and self._catch_up_fits(b, lag, waited))):
             self._refresh_due = 0
             return nb
