@@ -11,10 +11,12 @@ configuration's throughput, TTFT p50 and TPOT p50 (issue 34's target: within 15%
 the objective is output throughput and the bench lines run offline (every request at t = 0).
 
 With --slo (the plan's percentile limits, e.g. ttft_p90=10s,tpot_p90=150ms) the objective is goodput:
-each arm's printed `serve` line is started (on --port), its `bench` line replays the trace against
-it with bench's per-request SLO, and the server is stopped. Both arms run at the suggested
-configuration's predicted goodput rate (the same seeded arrivals): the measured gain is the
-suggested arm's goodput (requests/s meeting every limit) over the default's at that rate.
+each arm's printed `bench` line replays the trace in its own process, the requests arriving at the
+suggested configuration's predicted goodput rate (the same seeded arrivals for both arms, the ones
+the planner simulated), judged by bench's per-request SLO; the measured gain is the suggested arm's
+goodput (requests/s meeting every limit) over the default's at that rate. With --served each arm's
+`serve` line is started (on --port) and its `bench_served` line replays the trace against it (on a
+2-core machine the client and the server's HTTP work then share the engine's cores).
 
     python benchmarks/suggest_vs_default.py --model qwen2.5-coder-0.5b-instruct \
         --profile results/hw-05b.json --out results/suggest-vs-default.json
@@ -119,9 +121,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="suggested and default alternated this many times")
     ap.add_argument("--traces", default=None, help="comma-separated names to keep (default all four)")
     ap.add_argument("--extra", default="", help="more plan flags, e.g. '--spec-alpha 0.6'")
-    ap.add_argument("--slo", default=None, help="the plan's SLO (objective goodput; arms served and benched online)")
+    ap.add_argument("--slo", default=None, help="the plan's SLO (objective goodput; arms benched at the suggested rate)")
+    ap.add_argument("--served", action="store_true", help="with --slo: bench each arm's served endpoint")
     ap.add_argument("--port", type=int, default=8431)
     a = ap.parse_args()
+    if a.served and not a.slo:
+        raise SystemExit("--served: only with --slo")
 
     from mixserve.env import machine_info
 
@@ -169,15 +174,16 @@ def main() -> int:
                 for step in part["commands"].get("prepare", []):
                     if rnd == 0:
                         run(shlex.split(step))
-                argv = shlex.split(part["bench_command"])
-                if argv[:2] != ["mixserve", "bench"] or ("--url" in argv) != bool(a.slo):
-                    raise SystemExit(f"{name}: {arm}: bench lines run offline here, or online with --slo: "
-                                     f"{part['bench_command']}")
+                line = part["bench_served_command"] if a.served else part["bench_command"]
+                argv = shlex.split(line)
+                if argv[:2] != ["mixserve", "bench"] or ("--url" in argv) != a.served:
+                    raise SystemExit(f"{name}: {arm}: bench lines run in this machine's processes here, or "
+                                     f"against a server with --served: {line}")
                 path = out.with_suffix(f".t{ti}.{arm}.r{rnd}.json")
-                if a.slo:
-                    # both arms at the rate the suggestion promises, each against its own server
-                    argv = with_option(with_option(argv, "--url", f"http://127.0.0.1:{a.port}"),
-                                       "--request-rate", f"{slo_rate:.4g}")
+                if a.slo:  # both arms at the rate the suggestion promises
+                    argv = with_option(argv, "--request-rate", f"{slo_rate:.4g}")
+                if a.served:  # each against its own server
+                    argv = with_option(argv, "--url", f"http://127.0.0.1:{a.port}")
                     proc = serving(part["serve_command"], exe, a.port)
                     try:
                         run(exe + argv[1:] + ["--output", str(path)])

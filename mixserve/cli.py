@@ -269,14 +269,27 @@ def cmd_bench_compare_allocators(a) -> int:
 
 def cmd_bench(a) -> int:
     if a.compare_allocators:
+        if a.request_rate != "inf" or a.slo or a.max_concurrency is not None:
+            raise ValueError("compare_allocators: every request arrives at once; --request-rate, --slo and "
+                             "--max-concurrency do not apply")
         return cmd_bench_compare_allocators(a)
     if a.url:
         return cmd_bench_online(a)
     from mixserve.data.datasets import load_dataset
+    from mixserve.bench.arrivals import schedule
     from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
+    from mixserve.bench.online import parse_slo
     from mixserve.engine.llm_engine import LLMEngine
 
+    # bad input is refused before minutes of loading
+    rate = float(a.request_rate)
+    if not rate > 0 or not a.burstiness > 0:
+        raise ValueError("request_rate and burstiness must be > 0")
+    if a.max_concurrency is not None:
+        raise ValueError("max_concurrency: caps an online client's requests in flight (bench --url); in this "
+                         "process --max-num-seqs caps the running requests")
+    slo = parse_slo(a.slo)
     eng = LLMEngine(engine_args(a))
     if not eng.wait_for_graph(0):  # the clock measures the engine as it serves, not its start
         print("bench: waiting for the decode graph's background compile before the clock starts", file=sys.stderr)
@@ -284,8 +297,16 @@ def cmd_bench(a) -> int:
     print(eng.describe(), file=sys.stderr)
     reqs = load_dataset(a.dataset, eng.tokenizer, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
+    offsets, arrivals = schedule(reqs, rate, a.burstiness, a.seed)
+    if arrivals == "rate":
+        how = f"at {rate:g} req/s (gamma shape {a.burstiness:g}, seed {a.seed})"
+    else:
+        how = "on the trace's arrival_s times"
+    if arrivals != "all at once":
+        print(f"bench: requests arrive {how}, the last at {max(offsets):.1f} s", file=sys.stderr)
     report, outs = run_offline(eng, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
-                               conversations_at_once=a.conversations_at_once)
+                               conversations_at_once=a.conversations_at_once,
+                               arrivals=None if arrivals == "all at once" else offsets, slo=slo or None)
     report["config"] = {"model": a.model, "dtype": str(eng.dtype), "dataset": a.dataset, "num_prompts": len(reqs),
                         "seed": a.seed, "output_len_cap": a.output_len_cap, "max_prompt_len": a.max_prompt_len,
                         "temperature": a.temperature, "block_size": a.block_size,
@@ -293,9 +314,13 @@ def cmd_bench(a) -> int:
                         "max_num_batched_tokens": a.max_num_batched_tokens, "draft_model": a.draft_model,
                         "num_speculative_tokens": a.num_speculative_tokens, "speculation": a.speculation,
                         "kv_allocator": a.kv_allocator, "reserve": a.reserve,
-                        "enable_prefix_caching": eng.args.prefix_caching}
+                        "enable_prefix_caching": eng.args.prefix_caching, "arrivals": arrivals,
+                        "request_rate": rate, "burstiness": a.burstiness}
     report["machine"] = {**machine_info(), "device": _device_name(eng.device)}
     print(format_table(report))
+    if slo:
+        print(f"goodput {report['goodput_requests_per_s']:.3f} req/s ({report['good_requests']} of "
+              f"{report['num_requests']} requests met {a.slo})")
     ex = report["extra"]
     for tag, r in report.get("per_tag", {}).items():
         print(f"[{tag}] {r['num_requests']} requests, {r['output_tokens']} output tokens, "
@@ -660,6 +685,8 @@ def _suggest(a, cfg, sm, hw, reqs, ps, resolved, gguf, spec) -> int:
                       c["max_num_batched_tokens"], (c["speculation"], c["num_speculative_tokens"]), c["replicas"])
         part["commands"] = commands(conf, ctx, drafter, part["predicted"].get("goodput_requests_per_s"))
         part["serve_command"], part["bench_command"] = part["commands"]["serve"], part["commands"]["bench"]
+        if "bench_served" in part["commands"]:
+            part["bench_served_command"] = part["commands"]["bench_served"]
     res.settings.update(model=a.model, trace=a.trace, hardware=a.hardware, num_requests=len(reqs))
     if a.json:
         print(json.dumps(res.as_json(), indent=1, allow_nan=False))
@@ -815,7 +842,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None)
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("bench", help="offline throughput on a dataset (sharegpt, humaneval or a JSONL trace)")
+    p = sub.add_parser("bench", help="replay a dataset (sharegpt, humaneval or a JSONL trace) through the engine in "
+                                      "this process (all at once, or at a request rate) or a server (--url)")
     add_engine_args(p)
     p.add_argument("--dataset", default="sharegpt", help="sharegpt | humaneval | FILE.jsonl")
     p.add_argument("--num-prompts", type=int, default=200)
@@ -835,10 +863,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None,
                    help="online: benchmark a running `mixserve serve` at this URL through its streaming API "
                         "(--model then only names the tokenizer for the dataset)")
-    p.add_argument("--request-rate", default="inf", help="online: requests/s (gamma arrivals) or inf (all at t=0)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="online: gamma shape; 1 = Poisson, < 1 burstier")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests/s (seeded gamma arrivals), online or in this process; inf: all at t=0, or a "
+                        "trace's own arrival_s times where its lines have them")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson, < 1 burstier")
     p.add_argument("--max-concurrency", type=int, default=None, help="online: most requests in flight")
-    p.add_argument("--slo", default=None, help="online: goodput SLO, e.g. ttft=500ms,tpot=50ms[,e2e=10s]")
+    p.add_argument("--slo", default=None, help="goodput SLO per request, e.g. ttft=500ms,tpot=50ms[,e2e=10s]")
     p.add_argument("--api-key", default=None, help="online: bearer key of the server (or MIXSERVE_API_KEY)")
     p.set_defaults(fn=cmd_bench)
 

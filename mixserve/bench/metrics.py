@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-__all__ = ["summarize", "RequestMetrics", "BenchReport", "build_report", "format_table"]
+__all__ = ["summarize", "RequestMetrics", "BenchReport", "build_report", "goodput", "format_table"]
 
 _PERCENTILES = (50, 90, 99)
 
@@ -136,6 +136,19 @@ def build_report(
 ) -> dict:
     """Shorthand for ``BenchReport(requests, duration_s, extra or {}).to_dict()``."""
     return BenchReport(list(requests), duration_s, dict(extra or {})).to_dict()
+
+
+def goodput(metrics: list[RequestMetrics], slo: dict[str, float], duration_s: float) -> dict:
+    """Goodput under a per-request SLO (DistServe's measure): requests meeting every limit in `slo`
+    ({"ttft" | "tpot" | "e2e": seconds}; a one-token request's TPOT counts as 0), per second of
+    `duration_s`. Returns {"slo", "good_requests", "goodput_requests_per_s"} (NaN for a zero duration)."""
+    def meets(m: RequestMetrics) -> bool:
+        vals = {"ttft": m.ttft, "tpot": m.tpot if m.tpot is not None else 0.0, "e2e": m.e2e}
+        return all(vals[k] <= v for k, v in slo.items())
+
+    good = sum(meets(m) for m in metrics)
+    return {"slo": dict(slo), "good_requests": good,
+            "goodput_requests_per_s": good / duration_s if duration_s > 0 else float("nan")}
 
 
 def _fmt(x: Any, digits: int = 2) -> str:

@@ -1,4 +1,5 @@
-"""Offline throughput run: every request queued at t=0, the engine steps until all finish."""
+"""In-process benchmark run: requests go into the engine as they arrive (all at t=0 for a throughput
+run, or on a rate's or a trace's arrival times), the engine steps until all finish."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from tqdm import tqdm
 
 from mixserve.data.datasets import BenchRequest
 from mixserve.data.prefix import chat_ids, conversation_links, conversation_messages
-from mixserve.bench.metrics import RequestMetrics, build_report
+from mixserve.bench.metrics import RequestMetrics, build_report, goodput
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage
 from mixserve.sampling_params import SamplingParams
@@ -31,8 +32,18 @@ def tool_constraint(engine: LLMEngine, r: BenchRequest):
 
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: float = 0.0,
                 ignore_eos: bool = True, seed: int | None = None, progress: bool = True,
-                conversations_at_once: int | None = None) -> tuple[dict, list]:
-    """Replay `requests` through the engine (all arriving at once) and measure.
+                conversations_at_once: int | None = None, arrivals: list[float] | None = None,
+                slo: dict[str, float] | None = None) -> tuple[dict, list]:
+    """Replay `requests` through the engine and measure.
+
+    `arrivals`: each request's arrival in seconds from the run's start (request order; see
+    bench/arrivals.schedule), or None for all at once (a throughput run). A request joins the
+    engine between steps, once its time has come, with its arrival time set to that time, so its
+    TTFT counts the wait for the step in flight, as a served request's does; an idle engine sleeps
+    until the next arrival. This measures the engine as the planner simulates it, with no HTTP
+    client or server on the same cores. A conversation's first turn arrives on its time; later
+    turns follow their answers. `slo` ({"ttft" | "tpot" | "e2e": seconds}): the report adds
+    goodput (bench/metrics.goodput).
 
     Output lengths follow each request's max_tokens (ignore_eos=True, as vLLM's throughput
     benchmark does), so runs compare the same work. Returns (report dict, RequestOutputs in
@@ -81,13 +92,25 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
         ids[i] = engine.add_request(prompt, params(i, r))
         index[ids[i]] = i
 
-    for i, r in enumerate(requests):
-        if r.conversation is None or (turns[r.conversation][0] == i and i not in starts_after):
-            send(i)
+    if arrivals is not None and len(arrivals) != len(requests):
+        raise ValueError(f"arrivals: {len(arrivals)} times for {len(requests)} requests")
+    opening = [i for i, r in enumerate(requests)
+               if r.conversation is None or (turns[r.conversation][0] == i and i not in starts_after)]
+    # (time, index), latest first: pop() takes the next arrival
+    due = sorted(((arrivals[i] if arrivals is not None else 0.0, i) for i in opening), reverse=True)
+    at_start = []
+    while due and due[-1][0] <= 0.0:  # those at 0 go in before the clock starts, as in a throughput run
+        at_start.append(due.pop()[1])
+        send(at_start[-1])
     t0 = time.perf_counter()
-    for rid in ids:  # offline: everything arrives when the run starts
-        if rid is not None:
-            engine.requests[rid].arrival_time = t0
+    for i in at_start:
+        engine.requests[ids[i]].arrival_time = t0
+
+    def release(now: float) -> None:
+        while due and t0 + due[-1][0] <= now:
+            at, i = due.pop()
+            send(i)
+            engine.requests[ids[i]].arrival_time = t0 + at  # its time, not the step boundary's
     q0, h0 = engine.block_manager.prefix_queries, engine.block_manager.prefix_hits
     finals = {}
     bar = tqdm(total=len(ids), desc="bench", unit="req", disable=not progress)
@@ -97,7 +120,12 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     peak_running, waste_at_peak = 0, 0.0
     wasted_s = reserved_s = 0.0  # slot-seconds
     t_prev = t0
-    while engine.has_unfinished():
+    while engine.has_unfinished() or due:
+        if not engine.has_unfinished():  # idle until the next arrival
+            time.sleep(max(0.0, t0 + due[-1][0] - time.perf_counter()))
+            release(time.perf_counter())
+            t_prev = time.perf_counter()
+            continue
         outs = engine.step()
         now = time.perf_counter()
         use = kv_usage(bm, sched.running)
@@ -119,6 +147,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                         send(left[0])
                     elif index[o.request_id] in opens:
                         send(opens[index[o.request_id]])
+        release(now)
     duration = time.perf_counter() - t0
     bar.close()
     outs = [finals[r] for r in ids]
@@ -151,6 +180,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
                      spec_k_histogram={str(k): engine.controller.history[k]
                                        for k in sorted(engine.controller.history)})
     report = build_report(metrics, duration, extra)
+    if slo:
+        report.update(goodput(metrics, slo, duration))
     # per request, in request order: what the percentiles summarize (a planner's per-request
     # prediction is compared against these, and a median that falls between clusters shows here)
     report["requests"] = [{"tag": r.tag, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,

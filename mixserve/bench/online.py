@@ -14,10 +14,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from mixserve.data.datasets import BenchRequest
-from mixserve.bench.metrics import RequestMetrics, build_report, summarize
+from mixserve.bench.arrivals import arrival_offsets, schedule  # noqa: F401 (arrival_offsets: its old home)
+from mixserve.bench.metrics import RequestMetrics, build_report, goodput, summarize
 
 
 @dataclass
@@ -43,18 +42,6 @@ def parse_slo(text: str | None) -> dict[str, float]:
             raise ValueError(f"slo: cannot read {part!r}; use e.g. ttft=500ms,tpot=50ms,e2e=10s")
         slo[m.group(1)] = float(m.group(2)) / (1000.0 if m.group(3) == "ms" else 1.0)
     return slo
-
-
-def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Send times in seconds from the start for n requests: cumulative gamma(shape=burstiness,
-    scale=1/(rate*burstiness)) gaps, whose mean is 1/rate; all 0 for an infinite rate."""
-    if request_rate == float("inf"):
-        return [0.0] * n
-    if not request_rate > 0 or not burstiness > 0:
-        raise ValueError("request_rate and burstiness must be > 0")
-    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
-    gaps[0] = 0.0  # the first request opens the run
-    return np.cumsum(gaps).tolist()
 
 
 async def _send(client, url: str, body: dict, headers: dict) -> OnlineResult:
@@ -100,7 +87,7 @@ async def run_online_async(url: str, model: str, requests: list[BenchRequest], r
     first send to the last finish)."""
     import httpx
 
-    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    offsets, _ = schedule(requests, request_rate, burstiness, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=64)
@@ -141,14 +128,7 @@ def online_report(results: list[OnlineResult], duration_s: float, slo: dict[str,
     report["failed"] = len(results) - len(ok)
     report["errors"] = sorted({r.error for r in results if r.error})[:5]
     if slo:
-        def meets(m: RequestMetrics) -> bool:
-            vals = {"ttft": m.ttft, "tpot": m.tpot if m.tpot is not None else 0.0, "e2e": m.e2e}
-            return all(vals[k] <= v for k, v in slo.items())
-
-        good = sum(meets(m) for m in metrics)
-        report["slo"] = slo
-        report["good_requests"] = good
-        report["goodput_requests_per_s"] = good / duration_s if duration_s > 0 else float("nan")
+        report.update(goodput(metrics, slo, duration_s))
     return report
 
 

@@ -9,11 +9,11 @@ upper). Throughput: output tokens/s with every request queued at t = 0 (as `mixs
 from __future__ import annotations
 
 import math
-import random
 import re
 from dataclasses import dataclass, field, replace
 
 from mixserve.models.config import ModelConfig
+from mixserve.bench.arrivals import arrival_offsets
 from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token, weight_bytes
 from mixserve.plan.simulator import SimConfig, SimRequest, SimResult, SpecSettings, simulate
 from mixserve.plan.step_time import MeasuredModel, RooflineModel, StepBatch, StepModel
@@ -103,13 +103,10 @@ def kv_budget(cfg: ModelConfig, sm: StepModel, ps: PlanSettings, fmt: WeightForm
 
 
 def with_poisson_arrivals(reqs: list[SimRequest], rate: float, seed: int) -> list[SimRequest]:
-    """The same requests, in trace order, arriving as a Poisson process of `rate` requests/s."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for r in reqs:
-        out.append(replace(r, arrival_s=t))
-        t += rng.expovariate(rate)
-    return out
+    """The same requests, in trace order, arriving as a Poisson process of `rate` requests/s: the
+    times `mixserve bench --request-rate rate --seed seed` replays (bench/arrivals.py), so a
+    prediction and its measurement see the same arrivals."""
+    return [replace(r, arrival_s=t) for r, t in zip(reqs, arrival_offsets(len(reqs), rate, 1.0, seed))]
 
 
 def bisect_rate(probe, lo: float, lo_res, hi: float, iters: int):

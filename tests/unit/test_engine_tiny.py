@@ -247,6 +247,33 @@ def test_offline_bench_reports_per_tag(tiny):
     assert all(r["ttft_s"] > 0 and r["e2e_s"] >= r["ttft_s"] and r["tpot_s"] >= 0 for r in per)
 
 
+def test_in_process_bench_replays_arrival_times(tiny):
+    """bench --request-rate without --url (and a trace's arrival_s) put each request into the engine
+    when its time comes, its TTFT counted from then; before, an in-process bench sent everything at
+    t = 0 whatever the rate or the trace said, and the planner's rate predictions had nothing to
+    be checked against but a served run."""
+    from mixserve.data.datasets import BenchRequest
+    from mixserve.bench.offline import run_offline
+
+    folder, _ = tiny
+    llm = LLM(folder, dtype="float32", kv_cache_memory="8MiB", progress=False)
+    reqs = [BenchRequest([1, 2, 3], 4, 3, "a"), BenchRequest([4, 5], 4, 2, "a"), BenchRequest([6], 4, 1, "a")]
+    at = [0.0, 0.05, 0.4]
+    report, outs = run_offline(llm.engine, reqs, progress=False, arrivals=at, slo={"ttft": 0.3})
+    arr = [o.metrics["arrival"] for o in outs]
+    # each arrives at its own time (not the step boundary after it), the engine idle in between
+    assert [round(a - arr[0], 6) for a in arr] == at
+    assert all(o.metrics["first_token"] > a for o, a in zip(outs, arr))
+    assert report["duration_s"] >= 0.4
+    assert all(r["ttft_s"] < 0.3 for r in report["requests"])  # nothing queued behind a 0.4 s wait
+    assert report["good_requests"] == 3 and report["goodput_requests_per_s"] == 3 / report["duration_s"]
+    # an SLO no request meets counts none
+    report, _ = run_offline(llm.engine, reqs, progress=False, arrivals=at, slo={"ttft": 1e-9})
+    assert report["good_requests"] == 0
+    with pytest.raises(ValueError, match="arrivals"):
+        run_offline(llm.engine, reqs, progress=False, arrivals=[0.0])
+
+
 def _drain(eng):
     done = {}
     while eng.has_unfinished():

@@ -121,7 +121,12 @@ def test_commands_pin_the_format(tmp_path):
                          model_kind="gguf", slo={"ttft_p90": 2.0, "tpot_p99": 0.1})
     c = commands(Config(weights="gguf"), ctx, None, goodput_rate=1.5)
     assert "--gguf-weights native" in c["serve"] and "--dtype bfloat16" in c["serve"]
-    assert "--url" in c["bench"] and "--request-rate 1.5" in c["bench"] and "--slo tpot=100ms,ttft=2s" in c["bench"]
+    # with an SLO, bench runs the engine's own flags in its process, at the rate, judged per request;
+    # the served line replays the same against the serve line's endpoint
+    assert "--url" not in c["bench"] and "--gguf-weights native" in c["bench"]
+    for line in (c["bench"], c["bench_served"]):
+        assert "--request-rate 1.5" in line and "--slo tpot=100ms,ttft=2s" in line
+    assert "--url" in c["bench_served"] and "--gguf-weights" not in c["bench_served"]
     c = commands(Config(weights="int4-awq"), ctx, None)
     assert c["prepare"] and c["prepare"][0].startswith("mixserve quantize --model m.gguf --method awq")
     assert "--gguf-weights dequantize" in c["serve"]
@@ -169,6 +174,44 @@ def test_suggest_cli_prints_commands_the_engine_runs(tiny, tmp_path, capsys):
     assert rc == 0
     rep = json.loads((tmp_path / "bench.json").read_text())
     assert rep["output_tokens_per_s"] > 0
+
+
+def test_with_an_slo_the_bench_line_runs_in_process_at_the_rate(tiny, tmp_path, capsys):
+    """With an SLO the printed bench line runs the engine in its own process, the requests arriving
+    at the predicted goodput rate, and reports goodput; it was an online line only, so a prediction
+    made for the engine alone was checked against a server sharing its cores with the client."""
+    from mixserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(tiny)
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps({**profile(0.5, cfg), "dtype": "float32"}))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"prompt_tokens": 20 + 3 * i, "max_tokens": 6}) + "\n" for i in range(6)))
+    rc = main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
+               "--kv-cache-memory", "16MiB", "--slo", "ttft_p90=30s,tpot_p90=5s"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    best = json.loads(out.out)["best"]
+    rate = best["predicted"]["goodput_requests_per_s"]
+    bench = shlex.split(best["bench_command"])
+    assert "--url" not in bench and bench[bench.index("--request-rate") + 1] == f"{rate:.4g}"
+    assert "--url" in best["bench_served_command"]
+    rc = main(bench[1:] + ["--output", str(tmp_path / "bench.json"), "--kernels", "eager"])
+    assert rc == 0
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["config"]["arrivals"] == "rate" and rep["config"]["request_rate"] == float(f"{rate:.4g}")
+    assert rep["good_requests"] == 6 and rep["slo"] == {"ttft": 30.0, "tpot": 5.0}
+    # the requests came on the rate's times: the run lasts at least until the last arrival
+    from mixserve.bench.arrivals import arrival_offsets
+    assert rep["duration_s"] >= arrival_offsets(6, float(f"{rate:.4g}"), 1.0, 0)[-1]
+
+
+def test_bench_refuses_what_does_not_apply_in_process(tiny, capsys):
+    for extra, what in ((["--max-concurrency", "2"], "max_concurrency"), (["--request-rate", "0"], "request_rate"),
+                        (["--slo", "ttft=fast"], "slo"), (["--compare-allocators", "--request-rate", "2"],
+                                                          "compare_allocators")):
+        rc = main(["bench", "--model", tiny, "--dataset", "humaneval", "--num-prompts", "2"] + extra)
+        assert rc == 2 and what in capsys.readouterr().err, extra
 
 
 def test_suggest_flags_are_checked(tiny, tmp_path, capsys):

@@ -39,11 +39,12 @@ def _dur(seconds: float) -> str:
 
 def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_rate: float | None = None) -> dict:
     """Ready command lines for configuration `c`: {"prepare": [steps first], "serve": str,
-    "bench": str}. The weight format and dtype are pinned (a GGUF's --gguf-weights, int4's
-    --quantization or the AWQ checkpoint `mixserve quantize` writes). With an SLO, bench replays
-    the trace against the served endpoint at the predicted goodput rate with bench's per-request
-    SLO; without one it runs offline with the same engine flags (or, with replicas, against the
-    endpoint, all requests at once)."""
+    "bench": str} and, with an SLO, "bench_served": str. The weight format and dtype are pinned (a
+    GGUF's --gguf-weights, int4's --quantization or the AWQ checkpoint `mixserve quantize` writes).
+    `bench` runs the same engine flags in its own process: all requests at once without an SLO;
+    with one, arriving at the predicted goodput rate, judged by bench's per-request SLO.
+    "bench_served" replays the same against the `serve` line's endpoint. With replicas, `bench`
+    is the endpoint's line (replicas are served)."""
     model = ctx.model
     prepare = []
     eng: list[str] = []
@@ -79,19 +80,28 @@ def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_ra
         data += ["--num-prompts", str(ctx.num_prompts)]
     if ctx.conversations_at_once:
         data += ["--conversations-at-once", str(ctx.conversations_at_once)]
-    if ctx.slo or c.replicas > 1:
-        bench = ["mixserve", "bench", "--url", ctx.url, "--model", model] + data
-        if ctx.slo:
-            limits = {}
-            for key, v in ctx.slo.items():  # bench's SLO is per request: each measure's tightest limit
-                m = key.split("_")[0]
-                limits[m] = min(v, limits.get(m, math.inf))
-            bench += ["--slo", ",".join(f"{m}={_dur(v)}" for m, v in sorted(limits.items()))]
-            if goodput_rate and goodput_rate > 0:
-                bench += ["--request-rate", f"{goodput_rate:.4g}"]
+    rate = []
+    limits = []
+    if ctx.slo:
+        per = {}
+        for key, v in ctx.slo.items():  # bench's SLO is per request: each measure's tightest limit
+            m = key.split("_")[0]
+            per[m] = min(v, per.get(m, math.inf))
+        limits = ["--slo", ",".join(f"{m}={_dur(v)}" for m, v in sorted(per.items()))]
+        if goodput_rate and goodput_rate > 0:
+            rate = ["--request-rate", f"{goodput_rate:.4g}"]
+    served = ["mixserve", "bench", "--url", ctx.url, "--model", model] + data + limits + rate
+    if c.replicas > 1:
+        bench = served  # replicas are a served thing: bench the endpoint
     else:
-        bench = ["mixserve", "bench"] + eng + data
-    return {"prepare": prepare, "serve": shlex.join(serve), "bench": shlex.join(bench)}
+        # in this process, the engine as the planner simulates it: no HTTP client or server on the
+        # same cores (on 2 cores those ran served steps 1.2-1.7x the in-process ones, BENCHMARKS
+        # "Served against in-process steps")
+        bench = ["mixserve", "bench"] + eng + data + limits + rate
+    out = {"prepare": prepare, "serve": shlex.join(serve), "bench": shlex.join(bench)}
+    if ctx.slo and c.replicas == 1:
+        out["bench_served"] = shlex.join(served)
+    return out
 
 
 def format_suggestion(s: Suggestion) -> str:
@@ -116,6 +126,9 @@ def format_suggestion(s: Suggestion) -> str:
     if b.get("commands"):
         lines.append(f"  serve:  {b['commands']['serve']}")
         lines.append(f"  bench:  {b['commands']['bench']}")
+        if b["commands"].get("bench_served"):
+            lines.append(f"  served: {b['commands']['bench_served']}  (against the serve line; on a machine that "
+                         "also runs the client, served steps run slower than the prediction)")
     lines.append(f"  predicted: {pred_line(b['predicted'])}")
     if not same:
         lines.append(f"default: {s.default['config']['summary']}")
