@@ -212,7 +212,7 @@ def main() -> int:
         err = lambda p, m: 100 * (p / m - 1)  # noqa: E731
         # with an SLO, the suggested arm ran at its goodput rate: its figures at that rate are the prediction
         at = ps["at_goodput_rate"] if a.slo else ps
-        row["error_pct"] = {"throughput": err(ps["goodput_output_tokens_per_s"] if a.slo else ps["throughput_output_tokens_per_s"],
+        row["error_pct"] = {"throughput": err(at["output_tokens_per_s"] if a.slo else ps["throughput_output_tokens_per_s"],
                                               med["suggested"]["output_tokens_per_s"]),
                             "ttft_p50": err(at["ttft_s"]["p50"], med["suggested"]["ttft_p50_s"]),
                             "tpot_p50": err(at["tpot_s"]["p50"], med["suggested"]["tpot_p50_s"])}

@@ -283,6 +283,26 @@ def test_break_it_findings():
     assert out == "awq-data_my_model" and shlex.split(c["serve"])[shlex.split(c["serve"]).index("--model") + 1] == out
 
 
+def test_a_setting_pruned_in_the_search_is_set_back_where_it_does_not_pay():
+    """The memo answered simplify (no floor) with a figure pruned during the search (goodput 0 at a
+    floor 3% over the incumbent), so a move that no longer mattered stayed: ShareGPT with
+    tpot_p90=50ms on the 0.5B got "prefix caching off, allocator contiguous, max-num-seqs 4" where
+    max-num-seqs 4 alone scores the same. And simplify made one pass in the dimensions' order, so
+    prefix caching, held off by the contiguous allocator, was not tried again once the allocator
+    was set back."""
+    s = suggester(profile(1.0), slo="ttft_p90=100s,tpot_p90=100s")
+    c = s.normalized(replace(s.default, allocator="contiguous"))
+    assert s.evaluate(c, floor_rate=1e9)["pruned"]
+    e = s.evaluate(c)
+    assert not e.get("pruned") and e["goodput_requests_per_s"] > 0
+    assert s.evaluate(c, floor_rate=1e9) is e  # the whole figure then answers any floor
+    # every setting ties with the default's under so loose an SLO: all set back
+    found = s.normalized(replace(s.default, allocator="contiguous", max_num_seqs=4))
+    s = suggester(profile(1.0), slo="ttft_p90=100s,tpot_p90=100s")
+    s.evaluate(replace(found, allocator="paged"), floor_rate=1e9)  # pruned in the search
+    assert s.simplify(found) == s.default
+
+
 def test_a_profile_timed_on_other_engine_code_is_said_stale(tiny, tmp_path, capsys):
     """A profile's timings hold for the engine code that was timed: one from other code (or from before
     profiles named theirs) gets a note in --suggest's answer that says to probe again; one from this

@@ -162,7 +162,9 @@ class Suggester:
         `slo_miss` says by how much."""
         key = (c, final)
         old = self.cache.get(key)
-        if old is not None and not (old.get("pruned") and floor_rate is not None and floor_rate < old["floor_rate"]):
+        # a pruned figure answers only a caller whose floor would prune it again: one with a lower
+        # floor, or none (simplify, the final answer), gets the configuration simulated
+        if old is not None and (not old.get("pruned") or (floor_rate is not None and floor_rate >= old["floor_rate"])):
             return old
         reqs = self.reqs if final else self.search_reqs
         ps = replace(self.ps, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
@@ -199,7 +201,9 @@ class Suggester:
         def found(rate, res, limit):
             return {"goodput_requests_per_s": rate, "goodput_output_tokens_per_s": rate * mean_out,
                     "rate_limit": limit,
-                    "at_rate": {k: {p: res.report[k][p] for p in ("p50", "p90", "p99")} for k in ("ttft_s", "tpot_s")},
+                    # throughput at the rate: what bench measures there (the arrivals' span and the drain after)
+                    "at_rate": {"output_tokens_per_s": res.report["output_tokens_per_s"],
+                                **{k: {p: res.report[k][p] for p in ("p50", "p90", "p99")} for k in ("ttft_s", "tpot_s")}},
                     "kv_peak_bytes_at_rate": res.peak_kv_blocks * pl.ps.block_size * kv_tok}
 
         if floor_rate is not None:
@@ -287,16 +291,19 @@ class Suggester:
         if found == self.default:
             return found
         best_e = self.evaluate(found)
-        for d in DIMENSIONS:
-            if getattr(found, d) == getattr(self.default, d):
-                continue
-            c = self.normalized(replace(found, **{d: getattr(self.default, d)}))
-            if c.weights not in self.formats and c.weights != found.weights:
-                continue
-            e = self.evaluate(c)
-            a, b = self.score(e), self.score(best_e)
-            if e["fits"] and not e.get("pruned") and a[0] >= 0.99 * b[0] and (a[0] > 0 or b[0] <= 0):
-                found, best_e = c, e
+        changed = True
+        while changed:  # again after a change: one setting can hold another (contiguous: no prefix caching)
+            changed = False
+            for d in DIMENSIONS:
+                if getattr(found, d) == getattr(self.default, d):
+                    continue
+                c = self.normalized(replace(found, **{d: getattr(self.default, d)}))
+                if c == found or (c.weights not in self.formats and c.weights != found.weights):
+                    continue
+                e = self.evaluate(c)
+                a, b = self.score(e), self.score(best_e)
+                if e["fits"] and not e.get("pruned") and a[0] >= 0.99 * b[0] and (a[0] > 0 or b[0] <= 0):
+                    found, best_e, changed = c, e, True
         return found
 
     def run(self) -> Suggestion:
