@@ -294,6 +294,8 @@ def cmd_bench(a) -> int:
     if not eng.wait_for_graph(0):  # the clock measures the engine as it serves, not its start
         print("bench: waiting for the decode graph's background compile before the clock starts", file=sys.stderr)
         eng.wait_for_graph()
+    if eng.runner.kv_populate is not None:  # ... and its KV cache's pages in (host_memory.populate_in_background)
+        eng.runner.kv_populate.join()
     print(eng.describe(), file=sys.stderr)
     reqs = load_dataset(a.dataset, eng.tokenizer, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)

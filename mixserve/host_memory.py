@@ -21,6 +21,7 @@ import ctypes
 import math
 import mmap
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -111,6 +112,45 @@ def own_copy(t: torch.Tensor) -> torch.Tensor:
     file is copied, the map goes, where a view kept would keep the whole file's pages resident."""
     c = on_huge_pages(t.contiguous())
     return c if c is not t else t.clone()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+ (include/uapi/asm-generic/mman-common.h); not in Python's mmap before 3.14
+
+
+def populate_in_background(tensors: list[torch.Tensor], name: str = "populate") -> threading.Thread | None:
+    """Fault in the pages of CPU `tensors` (empty_zeroed's maps, whose pages the OS zeroes on first
+    touch) on a daemon thread, without writing them: madvise(MADV_POPULATE_WRITE), one call per
+    tensor, the GIL released (ctypes). Their contents never change, so the engine may write them
+    meanwhile. Returns the thread (join it to wait), or None where there is nothing to do (not
+    Linux, no tensors); a kernel without MADV_POPULATE_WRITE (before 5.14) makes the thread stop at
+    its first call, leaving the pages to their first touch as before.
+
+    Why: the lazily zeroed KV cache's pages were faulted in by the steps that first wrote them. On
+    the 2-core AMX Xeon VM a first touch cost ~2 ms per 2 MB page (560 ms for 268 MB, by hand), so
+    with prefix caching (freed blocks kept, fresh ones handed out first) a 512 MiB cache stalled a
+    step by 150-400 ms every few seconds until all of it had been touched, and the first request's
+    8-token prefill took 282 ms instead of ~50 (BENCHMARKS.md, issue 34's fifth round). Populating
+    costs the same ~1 s of one core's time, once, beside the engine's start-up instead of in steps."""
+    ranges = []
+    for t in tensors:
+        if t.device.type == "cpu" and t.numel():
+            start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+            ranges.append((start, t.data_ptr() + t.numel() * t.element_size() - start))
+    if not ranges or not hasattr(ctypes, "CDLL") or os.name != "posix" or not Path("/proc/self").is_dir():
+        return None
+    keep = list(tensors)  # the maps stay alive while the thread runs
+
+    def run():
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for start, n in ranges:
+            if libc.madvise(start, n, _MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL: an older kernel; the pages fault in when first written, as before
+        keep.clear()
+
+    th = threading.Thread(target=run, name=name, daemon=True)
+    th.start()
+    return th
 
 
 def keep_freed_heap() -> bool:

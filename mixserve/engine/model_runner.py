@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mixserve.device import HostStager
-from mixserve.host_memory import empty_zeroed
+from mixserve.host_memory import empty_zeroed, populate_in_background
 from mixserve.kv.block_manager import BlockManager
 from mixserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from mixserve.engine.sampler import token_logprobs
@@ -115,6 +115,9 @@ class ModelRunner:
         self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks + (self.pad_block is not None), block_size,
                                                          dtype, self.device)
         model.bind_kv_cache(self.k_caches, self.v_caches)
+        # the cache's pages faulted in now, beside the start-up, not by the steps that first write them
+        self.kv_populate = populate_in_background(self.k_caches + self.v_caches, "kv-populate") \
+            if self.device.type == "cpu" else None
         self.num_blocks = num_blocks
         self.num_forwards = 0
         self.graph = None  # a DecodeGraph (CPU) or CudaGraphDecoder (CUDA) once chosen
