@@ -126,11 +126,11 @@ def populate_in_background(tensors: list[torch.Tensor], name: str = "populate") 
     its first call, leaving the pages to their first touch as before.
 
     Why: the lazily zeroed KV cache's pages were faulted in by the steps that first wrote them. On
-    the 2-core AMX Xeon VM a first touch cost ~2 ms per 2 MB page (560 ms for 268 MB, by hand), so
-    with prefix caching (freed blocks kept, fresh ones handed out first) a 512 MiB cache stalled a
-    step by 150-400 ms every few seconds until all of it had been touched, and the first request's
-    8-token prefill took 282 ms instead of ~50 (BENCHMARKS.md, issue 34's fifth round). Populating
-    costs the same ~1 s of one core's time, once, beside the engine's start-up instead of in steps."""
+    the 2-core AMX Xeon VM a first touch cost ~2 ms per 2 MB page (560 ms for 268 MB, by hand): the
+    first request's 8-token prefill took 282 ms instead of ~60, and a step that wrote fresh blocks
+    later paid it again (a 269-token prefill step 886 ms against 620; with prefix caching, freed
+    blocks stay cached and fresh ones are handed out first) (BENCHMARKS.md, issue 34's fifth round).
+    Populating costs the same ~1 s of one core's time, once, beside the start-up instead of in steps."""
     ranges = []
     for t in tensors:
         if t.device.type == "cpu" and t.numel():
