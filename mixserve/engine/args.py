@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mixserve.env import forced_isa
 from mixserve.kv.contiguous import RESERVE_MODES
 from mixserve.layers.kernel_choice import parse_overrides
 from mixserve.models.loader import is_awq_folder
@@ -32,9 +33,13 @@ def parse_bytes(text: str | int) -> int:
 
 def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
     """bfloat16 on CUDA (device None: where PyTorch sees a GPU) and where the CPU has native
-    bf16-capable vector units (AVX-512), else float32."""
+    bf16-capable vector units (AVX-512), else float32; float32 under MIXSERVE_ISA=avx2 too, which
+    stands for an AVX2-only CPU (oneDNN is capped at AVX2 there, where bf16 GEMMs ran 4x slower
+    than the invariant path: a forced run in bf16 measured a configuration no AVX2 machine gets)."""
     if (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available():
         return torch.bfloat16
+    if forced_isa() == "avx2":
+        return torch.float32
     cap = torch.backends.cpu.get_cpu_capability()
     return torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32
 

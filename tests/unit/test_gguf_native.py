@@ -657,3 +657,16 @@ def test_native_on_a_folder_is_refused(tmp_path):
     folder, _ = make_tiny(tmp_path, "llama", tie=True)
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_model(str(folder), torch.float32, gguf_weights="native")
+
+
+def test_forcing_avx2_gives_an_avx2_machines_default_dtype(monkeypatch):
+    """MIXSERVE_ISA=avx2 stands for an AVX2-only CPU, whose default dtype is float32: a forced run kept
+    bfloat16 and measured bf16 GEMMs capped at AVX2 (`--batch-invariant off` 4x slower than `on`, a
+    configuration no AVX2 machine gets)."""
+    from mixserve.engine.args import default_dtype
+
+    monkeypatch.setenv("MIXSERVE_ISA", "avx2")
+    assert default_dtype("cpu") == torch.float32
+    monkeypatch.setenv("MIXSERVE_ISA", "native")
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert default_dtype("cpu") == (torch.bfloat16 if cap.startswith(("AVX512", "AMX")) else torch.float32)
