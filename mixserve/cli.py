@@ -188,13 +188,18 @@ def cmd_bench_online(a) -> int:
     import httpx
 
     from mixserve.data.datasets import load_dataset
+    from mixserve.bench.arrivals import arrival_offsets
     from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
     from mixserve.models.weights import load_tokenizer
     from mixserve.models.registry import resolve_model
 
     rate = float(a.request_rate)
-    if not rate > 0 or not a.burstiness > 0 or (a.max_concurrency is not None and a.max_concurrency < 1):
-        raise ValueError("request_rate and burstiness must be > 0, max_concurrency >= 1")
+    arrival_offsets(0, rate, a.burstiness)  # a rate and burstiness it can draw from, or ValueError
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError("max_concurrency: must be >= 1")
+    if a.conversations_at_once is not None:
+        raise ValueError("conversations_at_once: a multi-turn trace replays closed-loop in this process only "
+                         "(bench without --url): the online client sends no conversation history")
     slo = parse_slo(a.slo)
     api_key = a.api_key or os.environ.get("MIXSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -220,6 +225,9 @@ def cmd_bench_online(a) -> int:
     tok = load_tokenizer(spec)
     reqs = load_dataset(a.dataset, tok, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
+    if any(r.conversation is not None for r in reqs):
+        raise ValueError("dataset: a multi-turn trace replays closed-loop in this process only (bench without "
+                         "--url): the online client sends no conversation history")
     results, duration = asyncio.run(run_online_async(
         a.url, served, reqs, rate, a.burstiness, a.max_concurrency, a.temperature, not a.no_ignore_eos, api_key,
         a.seed))
@@ -269,14 +277,14 @@ def cmd_bench_compare_allocators(a) -> int:
 
 def cmd_bench(a) -> int:
     if a.compare_allocators:
-        if a.request_rate != "inf" or a.slo or a.max_concurrency is not None:
+        if float(a.request_rate) != float("inf") or a.slo or a.max_concurrency is not None:
             raise ValueError("compare_allocators: every request arrives at once; --request-rate, --slo and "
                              "--max-concurrency do not apply")
         return cmd_bench_compare_allocators(a)
     if a.url:
         return cmd_bench_online(a)
     from mixserve.data.datasets import load_dataset
-    from mixserve.bench.arrivals import schedule
+    from mixserve.bench.arrivals import arrival_offsets, schedule
     from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
     from mixserve.bench.online import parse_slo
@@ -284,8 +292,7 @@ def cmd_bench(a) -> int:
 
     # bad input is refused before minutes of loading
     rate = float(a.request_rate)
-    if not rate > 0 or not a.burstiness > 0:
-        raise ValueError("request_rate and burstiness must be > 0")
+    arrival_offsets(0, rate, a.burstiness)  # a rate and burstiness it can draw from, or ValueError
     if a.max_concurrency is not None:
         raise ValueError("max_concurrency: caps an online client's requests in flight (bench --url); in this "
                          "process --max-num-seqs caps the running requests")
@@ -304,7 +311,7 @@ def cmd_bench(a) -> int:
         how = f"at {rate:g} req/s (gamma shape {a.burstiness:g}, seed {a.seed})"
     else:
         how = "on the trace's arrival_s times"
-    if arrivals != "all at once":
+    if arrivals != "all at once" and offsets:
         print(f"bench: requests arrive {how}, the last at {max(offsets):.1f} s", file=sys.stderr)
     report, outs = run_offline(eng, reqs, temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                                conversations_at_once=a.conversations_at_once,

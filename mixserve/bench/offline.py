@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from mixserve.data.datasets import BenchRequest
 from mixserve.data.prefix import chat_ids, conversation_links, conversation_messages
+from mixserve.bench.arrivals import MAX_SPAN_S
 from mixserve.bench.metrics import RequestMetrics, build_report, goodput
 from mixserve.engine.llm_engine import LLMEngine
 from mixserve.kv.usage import kv_usage
@@ -85,17 +86,26 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], temperature: fl
     ids: list[str | None] = [None] * len(requests)
     index: dict[str, int] = {}
 
-    def send(i: int) -> None:
+    def prompt_of(i: int):
         r = requests[i]
-        prompt = r.prompt if r.conversation is None and r.tools is None else chat_ids(
+        return r.prompt if r.conversation is None and r.tools is None else chat_ids(
             engine.tokenizer, conversation_messages(r, history.get(r.conversation, [])), r.tools)
-        ids[i] = engine.add_request(prompt, params(i, r))
+
+    def send(i: int) -> None:
+        ids[i] = engine.add_request(prompt_of(i), params(i, requests[i]))
         index[ids[i]] = i
 
-    if arrivals is not None and len(arrivals) != len(requests):
-        raise ValueError(f"arrivals: {len(arrivals)} times for {len(requests)} requests")
+    if arrivals is not None:
+        if len(arrivals) != len(requests):
+            raise ValueError(f"arrivals: {len(arrivals)} times for {len(requests)} requests")
+        if not all(0.0 <= a <= MAX_SPAN_S for a in arrivals):  # NaN fails too
+            raise ValueError(f"arrivals: every time must be a number of seconds in [0, {MAX_SPAN_S:g}]")
     opening = [i for i, r in enumerate(requests)
                if r.conversation is None or (turns[r.conversation][0] == i and i not in starts_after)]
+    if arrivals is not None:  # a request the engine refuses is refused now, before the clock, not at its time
+        for i in opening:
+            p = prompt_of(i)
+            engine.check_request(engine.encode(p) if isinstance(p, str) else list(p), params(i, requests[i]))
     # (time, index), latest first: pop() takes the next arrival
     due = sorted(((arrivals[i] if arrivals is not None else 0.0, i) for i in opening), reverse=True)
     at_start = []

@@ -21,7 +21,7 @@ def test_a_rate_sets_the_times_and_overrides_the_traces():
 
 def test_a_traces_own_times_are_replayed_without_a_rate():
     """bench (in process and online) ignored a trace's arrival_s; the planner replayed them."""
-    assert schedule(reqs([0.5, None, 2.25])) == ([0.5, 0.0, 2.25], "trace")
+    assert schedule(reqs([0.5, None, 2.25])) == ([0.0, 0.0, 1.75], "trace")  # from its first arrival
     assert schedule(reqs([None, None])) == ([0.0, 0.0], "all at once")
 
 
@@ -45,3 +45,23 @@ def test_the_planner_simulates_the_arrivals_bench_replays():
     sim = with_poisson_arrivals([SimRequest(10, 5) for _ in range(20)], 1.5, seed=7)
     bench, _ = schedule(reqs([None] * 20), 1.5, seed=7)
     assert [r.arrival_s for r in sim] == bench
+
+
+def test_rates_and_spans_that_cannot_be_replayed_are_refused():
+    """A break-it round: --burstiness inf drew NaN gaps and the in-process bench spun for ever; a tiny
+    rate (or a trace time of 1e300 s) overflowed time.sleep mid-run."""
+    for burst in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError, match="burstiness"):
+            arrival_offsets(3, 2.0, burst)
+        with pytest.raises(ValueError, match="burstiness"):
+            schedule(reqs([None]), math.inf, burst)
+    with pytest.raises(ValueError, match="request_rate"):
+        arrival_offsets(3, 1e-300)
+    with pytest.raises(ValueError, match="span"):
+        schedule(reqs([0.0, 1e300]))
+
+
+def test_a_traces_times_count_from_its_first_arrival():
+    """A trace cut from a longer recording (first arrival_s 2.0 s) slept through the lead time and
+    reported a lower throughput than the planner, which counts from the first arrival."""
+    assert schedule(reqs([2.0, 2.5, None, 3.0])) == ([0.0, 0.5, 0.0, 1.0], "trace")

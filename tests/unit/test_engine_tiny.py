@@ -1,5 +1,6 @@
 """Engine mechanics on tiny random models made in the test, checked against HF transformers."""
 import random
+import time
 
 import pytest
 import torch
@@ -272,6 +273,15 @@ def test_in_process_bench_replays_arrival_times(tiny):
     assert report["good_requests"] == 0
     with pytest.raises(ValueError, match="arrivals"):
         run_offline(llm.engine, reqs, progress=False, arrivals=[0.0])
+    for bad in (float("nan"), -1.0, 1e300):
+        with pytest.raises(ValueError, match="arrivals"):
+            run_offline(llm.engine, reqs, progress=False, arrivals=[0.0, bad, 0.1])
+    # a request the engine refuses is refused before the clock, not at its arrival (the run's work lost)
+    long = BenchRequest(list(range(1, 3000)), 4, 2999, "a")
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match="prompt"):
+        run_offline(llm.engine, reqs + [long], progress=False, arrivals=at + [2.0])
+    assert time.perf_counter() - t < 1.5 and not llm.engine.has_unfinished()
 
 
 def _drain(eng):

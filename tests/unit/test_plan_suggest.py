@@ -212,6 +212,11 @@ def test_bench_refuses_what_does_not_apply_in_process(tiny, capsys):
                                                           "compare_allocators")):
         rc = main(["bench", "--model", tiny, "--dataset", "humaneval", "--num-prompts", "2"] + extra)
         assert rc == 2 and what in capsys.readouterr().err, extra
+    for extra, what in ((["--compare-allocators", "--request-rate", "Inf", "--slo", "ttft=1s"], "compare_allocators"),
+                        (["--url", "http://127.0.0.1:9", "--conversations-at-once", "2"], "conversations_at_once"),
+                        (["--url", "http://127.0.0.1:9", "--request-rate", "2", "--burstiness", "inf"], "burstiness")):
+        rc = main(["bench", "--model", tiny, "--dataset", "humaneval", "--num-prompts", "2"] + extra)
+        assert rc == 2 and what in capsys.readouterr().err, extra
 
 
 def test_suggest_flags_are_checked(tiny, tmp_path, capsys):
@@ -301,6 +306,30 @@ def test_a_setting_pruned_in_the_search_is_set_back_where_it_does_not_pay():
     s = suggester(profile(1.0), slo="ttft_p90=100s,tpot_p90=100s")
     s.evaluate(replace(found, allocator="paged"), floor_rate=1e9)  # pruned in the search
     assert s.simplify(found) == s.default
+
+
+def test_simplify_holds_each_step_to_the_searchs_figure():
+    """Each set-back was held to 99% of the configuration before it, so small losses compounded (a
+    break-it round: 100 -> 96.4 over four settings)."""
+    s = suggester(profile(1.0))
+    dims = ("max_num_seqs", "max_num_batched_tokens", "prefix_caching")
+    found = replace(s.default, max_num_seqs=4, max_num_batched_tokens=256, prefix_caching=False)
+
+    def fake(c, final=False, floor_rate=None):  # each setting set back loses 0.8%
+        moved = sum(getattr(c, d) != getattr(s.default, d) for d in dims)
+        return {"fits": True, "throughput_output_tokens_per_s": 100 * 0.992 ** (3 - moved), "config": c}
+
+    s.evaluate = fake
+    out = s.simplify(found)
+    assert sum(getattr(out, d) != getattr(s.default, d) for d in dims) == 2  # one back (99.2), not two (98.4)
+
+
+def test_slo_durations_are_printed_as_bench_reads_them():
+    from mixserve.bench.online import parse_slo as bench_slo
+    from mixserve.plan.suggest.commands import _dur
+
+    for v in (1e6, 2.0, 0.05, 1e-9, 0.1234567):
+        assert abs(bench_slo(f"ttft={_dur(v)}")["ttft"] - v) <= 1e-6 * v, _dur(v)
 
 
 def test_a_profile_timed_on_other_engine_code_is_said_stale(tiny, tmp_path, capsys):

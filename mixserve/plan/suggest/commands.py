@@ -34,7 +34,10 @@ class CommandContext:
 
 
 def _dur(seconds: float) -> str:
-    return f"{seconds * 1e3:g}ms" if seconds < 1 else f"{seconds:g}s"
+    """A duration as bench's --slo reads it: no exponent (it read 1e+06s as nothing), ms below 1 s."""
+    v, unit = (seconds * 1e3, "ms") if seconds < 1 else (seconds, "s")
+    text = f"{v:.6f}".rstrip("0").rstrip(".")
+    return (text if text != "0" else f"{v:.12f}".rstrip("0").rstrip(".")) + unit
 
 
 def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_rate: float | None = None) -> dict:
@@ -99,7 +102,7 @@ def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_ra
         # "Served against in-process steps")
         bench = ["mixserve", "bench"] + eng + data + limits + rate
     out = {"prepare": prepare, "serve": shlex.join(serve), "bench": shlex.join(bench)}
-    if ctx.slo and c.replicas == 1:
+    if ctx.slo and c.replicas == 1 and not ctx.conversations_at_once:  # the online client replays no conversation
         out["bench_served"] = shlex.join(served)
     return out
 
