@@ -11,8 +11,9 @@ import torch
 from mixserve import host_memory
 
 
-def _huge_kb(ptr: int) -> int | None:
-    """AnonHugePages (kB) of the /proc/self/smaps mapping holding `ptr`, None where unreadable."""
+def _smaps_kb(ptr: int, field: str) -> int | None:
+    """`field` (kB, e.g. "AnonHugePages", "Rss") of the /proc/self/smaps mapping holding `ptr`, None
+    where unreadable."""
     try:
         lines = open("/proc/self/smaps").read().splitlines()
     except OSError:
@@ -22,9 +23,17 @@ def _huge_kb(ptr: int) -> int | None:
         m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if m:
             inside = int(m.group(1), 16) <= ptr < int(m.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field + ":"):
             return int(line.split()[1])
     return None
+
+
+def _huge_kb(ptr: int) -> int | None:
+    return _smaps_kb(ptr, "AnonHugePages")
+
+
+def _rss_kb(ptr: int) -> int | None:
+    return _smaps_kb(ptr, "Rss")
 
 
 def test_a_big_zeroed_tensor_is_zero_aligned_and_on_huge_pages_where_the_os_grants_them():
@@ -39,22 +48,6 @@ def test_a_big_zeroed_tensor_is_zero_aligned_and_on_huge_pages_where_the_os_gran
             assert kb >= 2048, "no huge page was granted for a madvised, aligned private map"
     small = host_memory.empty_zeroed((5, 7), torch.float32)
     assert small.shape == (5, 7) and int(small.abs().sum()) == 0
-
-
-def _rss_kb(ptr: int) -> int | None:
-    """Rss (kB) of the /proc/self/smaps mapping holding `ptr`, None where unreadable."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
-        if m:
-            inside = int(m.group(1), 16) <= ptr < int(m.group(2), 16)
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1])
-    return None
 
 
 def _kernel() -> tuple[int, int]:

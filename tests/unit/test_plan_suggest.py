@@ -142,16 +142,20 @@ def tiny(tmp_path_factory, smollm2_path):
     return make_tiny_smol(tmp_path_factory.mktemp("sg") / "tiny-suggest", smollm2_path, max_positions=1024)
 
 
-def test_suggest_cli_prints_commands_the_engine_runs(tiny, tmp_path, capsys):
+def suggest_on_tiny(tiny, tmp_path, *extra) -> int:
+    """`plan --suggest --json` on the tiny model: a made-up profile of its shapes, six short requests."""
     from mixserve.models.config import ModelConfig
 
-    cfg = ModelConfig.from_folder(tiny)
     prof = tmp_path / "hw.json"
-    prof.write_text(json.dumps({**profile(0.5, cfg), "dtype": "float32"}))
+    prof.write_text(json.dumps({**profile(0.5, ModelConfig.from_folder(tiny)), "dtype": "float32"}))
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"prompt_tokens": 20 + 3 * i, "max_tokens": 6}) + "\n" for i in range(6)))
-    rc = main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
-               "--kv-cache-memory", "16MiB", "--spec-alpha", "0.5"])
+    return main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
+                 "--kv-cache-memory", "16MiB", *extra])
+
+
+def test_suggest_cli_prints_commands_the_engine_runs(tiny, tmp_path, capsys):
+    rc = suggest_on_tiny(tiny, tmp_path, "--spec-alpha", "0.5")
     out = capsys.readouterr()
     assert rc == 0, out.err
     doc = json.loads(out.out)  # one JSON document on stdout, the logs on stderr
@@ -180,15 +184,7 @@ def test_with_an_slo_the_bench_line_runs_in_process_at_the_rate(tiny, tmp_path, 
     """With an SLO the printed bench line runs the engine in its own process, the requests arriving
     at the predicted goodput rate, and reports goodput; it was an online line only, so a prediction
     made for the engine alone was checked against a server sharing its cores with the client."""
-    from mixserve.models.config import ModelConfig
-
-    cfg = ModelConfig.from_folder(tiny)
-    prof = tmp_path / "hw.json"
-    prof.write_text(json.dumps({**profile(0.5, cfg), "dtype": "float32"}))
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"prompt_tokens": 20 + 3 * i, "max_tokens": 6}) + "\n" for i in range(6)))
-    rc = main(["plan", "--suggest", "--json", "--trace", str(trace), "--model", tiny, "--hardware", str(prof),
-               "--kv-cache-memory", "16MiB", "--slo", "ttft_p90=30s,tpot_p90=5s"])
+    rc = suggest_on_tiny(tiny, tmp_path, "--slo", "ttft_p90=30s,tpot_p90=5s")
     out = capsys.readouterr()
     assert rc == 0, out.err
     best = json.loads(out.out)["best"]
