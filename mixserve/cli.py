@@ -301,8 +301,7 @@ def cmd_bench(a) -> int:
     if not eng.wait_for_graph(0):  # the clock measures the engine as it serves, not its start
         print("bench: waiting for the decode graph's background compile before the clock starts", file=sys.stderr)
         eng.wait_for_graph()
-    if eng.runner.kv_populate is not None:  # ... and its KV cache's pages in (host_memory.populate_in_background)
-        eng.runner.kv_populate.join()
+    eng.populate_kv_cache(wait=True)  # ... and its KV cache's pages in (host_memory.populate_in_background)
     print(eng.describe(), file=sys.stderr)
     reqs = load_dataset(a.dataset, eng.tokenizer, a.num_prompts, seed=a.seed, output_len_cap=a.output_len_cap,
                         max_prompt_len=a.max_prompt_len)
@@ -394,6 +393,7 @@ def cmd_serve(a) -> int:
         if given:  # silently serving one engine would ignore what was asked for
             raise ValueError(f"{', '.join(given)}: only with --replicas N (Ray Serve replicas)")
         eng = LLMEngine(engine_args(a))
+        eng.populate_kv_cache()  # beside the rest of the start-up, not in the first requests' steps
         print(eng.describe(), file=sys.stderr)
     cfg = ServerConfig(served_model_name=a.served_model_name or a.model,
                        api_key=a.api_key or os.environ.get("MIXSERVE_API_KEY"), max_waiting=a.max_waiting,

@@ -235,6 +235,16 @@ class LLMEngine:
         self._followers: dict[int, list[Sequence]] = {}
         self._num_followers = 0  # their count, readable from another thread without iterating
 
+    def populate_kv_cache(self, wait: bool = False) -> None:
+        """Fault the KV caches' pages in (the target's and a draft model's) on threads, once: for an
+        engine about to serve (`serve`, a replica, `bench` before its clock), whose first requests
+        would otherwise pay the first touch of their blocks (ModelRunner.populate_kv_cache). wait:
+        return when done."""
+        runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
+        threads = [t for t in (r.populate_kv_cache() for r in runners) if t is not None]
+        for t in threads if wait else ():
+            t.join()
+
     def wait_for_graph(self, timeout: float | None = None) -> bool:
         """Install the decode graphs a background warm-up is still compiling (EngineArgs
         graph_warmup), waiting up to `timeout` seconds (None: as long as it takes); call it

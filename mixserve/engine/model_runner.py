@@ -115,15 +115,22 @@ class ModelRunner:
         self.k_caches, self.v_caches = allocate_kv_cache(cfg, num_blocks + (self.pad_block is not None), block_size,
                                                          dtype, self.device)
         model.bind_kv_cache(self.k_caches, self.v_caches)
-        # the cache's pages faulted in now, beside the start-up, not by the steps that first write them
-        self.kv_populate = populate_in_background(self.k_caches + self.v_caches, "kv-populate") \
-            if self.device.type == "cpu" else None
+        self.kv_populate = None  # the thread faulting the cache's pages in (populate_kv_cache)
         self.num_blocks = num_blocks
         self.num_forwards = 0
         self.graph = None  # a DecodeGraph (CPU) or CudaGraphDecoder (CUDA) once chosen
         self.graph_choice = "eager"
         self.pending_graph = None  # a decode_graph.BackgroundGraph until it is installed
         self.graph_trial = None  # a decode_graph.GraphTrial while the graph's choice is measured on live steps
+
+    def populate_kv_cache(self):
+        """Start faulting the CPU KV cache's pages in on a thread (host_memory.populate_in_background),
+        once, so that the steps that first write its blocks do not pay it; returns the thread (None
+        on CUDA or where there is nothing to do). For engines that serve: a short-lived engine
+        touches only the blocks it uses, and on the AMX Xeon VM populating costs ~2 s of one core a GiB."""
+        if self.kv_populate is None and self.device.type == "cpu":
+            self.kv_populate = populate_in_background(self.k_caches + self.v_caches, "kv-populate")
+        return self.kv_populate
 
     def use_cuda_graphs(self, max_model_len: int, max_rows: int, capture: bool | None = None) -> str:
         """Replay decode-only steps from CUDA graphs (engine/cuda_graph.py), captured lazily per

@@ -49,6 +49,7 @@ class EngineReplica:
         except Exception:  # constructed outside Ray Serve (unit tests)
             self.name = f"local-{os.getpid()}"
         self.engine = LLMEngine(engine_args)
+        self.engine.populate_kv_cache()  # beside the rest of the start-up, not in the first requests' steps
         log.info("replica %s (pid %d): %s", self.name, os.getpid(), self.engine.describe())
         self.app = create_app(self.engine, server_cfg)
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -72,16 +72,17 @@ def test_populating_faults_the_pages_in_and_changes_no_byte():
     assert int(t[0, 0]) == 7 and int(t.sum()) == 7
 
 
-def test_the_engine_populates_its_kv_cache(tmp_path):
+def test_a_serving_engine_populates_its_kv_cache(tmp_path):
     from mixserve.engine.args import EngineArgs
     from mixserve.engine.llm_engine import LLMEngine
     from tests.unit.test_engine_tiny import make_tiny
 
     folder, _ = make_tiny(tmp_path, "qwen2", tie=False)
     eng = LLMEngine(EngineArgs(model=folder, dtype="float32", kv_cache_memory="8MiB", progress=False))
+    assert eng.runner.kv_populate is None  # an engine that does not serve touches only what it uses
+    eng.populate_kv_cache(wait=True)  # serve, a replica and bench ask for it
     th = eng.runner.kv_populate
-    assert th is not None
-    th.join(30)
+    assert th is not None and not th.is_alive()
     rss = _rss_kb(eng.runner.k_caches[-1].data_ptr())
     size_kb = eng.runner.k_caches[-1].numel() * eng.runner.k_caches[-1].element_size() // 1024
     if rss is not None and _kernel() >= (5, 14):
