@@ -188,13 +188,13 @@ def cmd_bench_online(a) -> int:
     import httpx
 
     from mixserve.data.datasets import load_dataset
-    from mixserve.bench.arrivals import arrival_offsets
+    from mixserve.bench.arrivals import check_rate
     from mixserve.bench.online import format_online, online_report, parse_slo, run_online_async
     from mixserve.models.weights import load_tokenizer
     from mixserve.models.registry import resolve_model
 
     rate = float(a.request_rate)
-    arrival_offsets(0, rate, a.burstiness)  # a rate and burstiness it can draw from, or ValueError
+    check_rate(rate, a.burstiness)
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise ValueError("max_concurrency: must be >= 1")
     if a.conversations_at_once is not None:
@@ -284,7 +284,7 @@ def cmd_bench(a) -> int:
     if a.url:
         return cmd_bench_online(a)
     from mixserve.data.datasets import load_dataset
-    from mixserve.bench.arrivals import arrival_offsets, schedule
+    from mixserve.bench.arrivals import check_rate, schedule
     from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
     from mixserve.bench.online import parse_slo
@@ -292,7 +292,7 @@ def cmd_bench(a) -> int:
 
     # bad input is refused before minutes of loading
     rate = float(a.request_rate)
-    arrival_offsets(0, rate, a.burstiness)  # a rate and burstiness it can draw from, or ValueError
+    check_rate(rate, a.burstiness)
     if a.max_concurrency is not None:
         raise ValueError("max_concurrency: caps an online client's requests in flight (bench --url); in this "
                          "process --max-num-seqs caps the running requests")

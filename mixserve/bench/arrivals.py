@@ -12,16 +12,23 @@ from mixserve.data.datasets import BenchRequest
 MAX_SPAN_S = 1e7  # ~116 days of arrivals: a replay past it would never end
 
 
+def check_rate(request_rate: float, burstiness: float = 1.0) -> None:
+    """Raise ValueError (naming the flag) unless `request_rate` is > 0 requests/s (inf: all at once)
+    and `burstiness` a finite number > 0: an infinite shape draws NaN gaps."""
+    if not burstiness > 0 or not math.isfinite(burstiness):
+        raise ValueError(f"burstiness: must be a finite number > 0 (got {burstiness})")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate: must be > 0 requests/s, or inf (got {request_rate})")
+
+
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send times in seconds from the start for n requests: cumulative gamma(shape=burstiness,
     scale=1/(rate*burstiness)) gaps, whose mean is 1/rate (shape 1 is a Poisson process); the first
-    request at 0; all 0 for an infinite rate. Raises ValueError unless rate and burstiness > 0."""
-    if not burstiness > 0 or not math.isfinite(burstiness):
-        raise ValueError(f"burstiness: must be a finite number > 0 (got {burstiness})")
+    request at 0; all 0 for an infinite rate. Raises ValueError as check_rate does, or where the
+    arrivals would span more than MAX_SPAN_S."""
+    check_rate(request_rate, burstiness)
     if request_rate == float("inf"):
         return [0.0] * n
-    if not request_rate > 0:
-        raise ValueError(f"request_rate: must be > 0 requests/s, or inf (got {request_rate})")
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
     if n:
         gaps[0] = 0.0  # the first request opens the run
@@ -44,11 +51,11 @@ def schedule(requests: list[BenchRequest], request_rate: float = math.inf, burst
     spread over more than MAX_SPAN_S."""
     if request_rate != math.inf:
         return arrival_offsets(len(requests), request_rate, burstiness, seed), "rate"
-    arrival_offsets(0, request_rate, burstiness)  # checks burstiness
+    check_rate(request_rate, burstiness)
     if any(r.arrival_s is not None for r in requests):
         # the run starts at the first arrival (as the planner's simulation does), not at the trace's 0
         first = min(r.arrival_s for r in requests if r.arrival_s is not None)
-        out = [max(0.0, (r.arrival_s if r.arrival_s is not None else first) - first) for r in requests]
+        out = [(r.arrival_s if r.arrival_s is not None else first) - first for r in requests]
         if not max(out) <= MAX_SPAN_S:
             raise ValueError(f"trace: its arrival_s times span {max(out):.3g} s (at most {MAX_SPAN_S:g})")
         return out, "trace"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from mixserve.data.datasets import BenchRequest
-from mixserve.bench.arrivals import arrival_offsets, schedule  # noqa: F401 (arrival_offsets: its old home)
+from mixserve.bench.arrivals import schedule
 from mixserve.bench.metrics import RequestMetrics, build_report, goodput, summarize
 
 

@@ -208,7 +208,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.scheduler.on_free.append(self.proposer.free)
         t1 = time.perf_counter()
-        for r in [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else []):
+        for r in self.runners():
             if self.device.type == "cpu":
                 r.choose_decode_graph(self.kernels, self.max_model_len, args.max_num_seqs,
                                       background=args.graph_warmup == "background", off=args.graph_warmup == "off")
@@ -235,12 +235,16 @@ class LLMEngine:
         self._followers: dict[int, list[Sequence]] = {}
         self._num_followers = 0  # their count, readable from another thread without iterating
 
+    def runners(self) -> list:
+        """The engine's ModelRunners: the target's, and a draft model's where one proposes."""
+        return [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
+
     def populate_kv_cache(self, wait: bool = False) -> None:
         """Fault the KV caches' pages in (the target's and a draft model's) on threads, once: for an
         engine about to serve (`serve`, a replica, `bench` before its clock), whose first requests
         would otherwise pay the first touch of their blocks (ModelRunner.populate_kv_cache). wait:
         return when done."""
-        runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
+        runners = self.runners()
         threads = [t for t in (r.populate_kv_cache() for r in runners) if t is not None]
         for t in threads if wait else ():
             t.join()
@@ -249,7 +253,7 @@ class LLMEngine:
         """Install the decode graphs a background warm-up is still compiling (EngineArgs
         graph_warmup), waiting up to `timeout` seconds (None: as long as it takes); call it
         between steps, e.g. before timing a run. Returns whether every one is installed."""
-        runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftModelProposer) else [])
+        runners = self.runners()
         return not any([r.install_graph(timeout) for r in runners])
 
     def new_tokenizer(self):

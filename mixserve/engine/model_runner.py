@@ -127,7 +127,7 @@ class ModelRunner:
         """Start faulting the CPU KV cache's pages in on a thread (host_memory.populate_in_background),
         once, so that the steps that first write its blocks do not pay it; returns the thread (None
         on CUDA or where there is nothing to do). For engines that serve: a short-lived engine
-        touches only the blocks it uses, and on the AMX Xeon VM populating costs ~2 s of one core a GiB."""
+        touches only the blocks it uses, and on the AMX Xeon VM populating costs ~2.5 s of one core a GiB."""
         if self.kv_populate is None and self.device.type == "cpu":
             self.kv_populate = populate_in_background(self.k_caches + self.v_caches, "kv-populate")
         return self.kv_populate

@@ -21,9 +21,10 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3
 
 
 def decode_graph_pending(engine: LLMEngine) -> bool:
-    """Whether the engine's decode graph is still compiling or loading in the background
-    (ModelRunner.graph_pending; False for an engine without a model runner)."""
-    return bool(getattr(getattr(engine, "runner", None), "graph_pending", False))
+    """Whether a decode graph of the engine (the target's, or a draft model's) is still compiling or
+    loading in the background (ModelRunner.graph_pending; False for an engine without runners)."""
+    runners = getattr(engine, "runners", None)
+    return bool(runners) and any(r.graph_pending for r in runners())
 
 
 class _EngineCollector:

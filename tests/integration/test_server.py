@@ -702,7 +702,8 @@ def test_sigterm_finishes_short_stream_aborts_long_one_and_exits(smollm2_path, t
 
 # -- online benchmark client -----------------------------------------------------------------------
 def test_online_bench_against_server(server, smollm2_path, tmp_path):
-    from mixserve.bench.online import arrival_offsets, parse_slo
+    from mixserve.bench.arrivals import arrival_offsets
+    from mixserve.bench.online import parse_slo
     from mixserve.cli import main
 
     assert parse_slo("ttft=500ms,tpot=0.05") == {"ttft": 0.5, "tpot": 0.05}

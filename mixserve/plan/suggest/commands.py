@@ -7,6 +7,8 @@ import re
 import shlex
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mixserve.plan.suggest.search import Suggestion
 from mixserve.plan.suggest.space import Config, Drafter
 
@@ -36,8 +38,7 @@ class CommandContext:
 def _dur(seconds: float) -> str:
     """A duration as bench's --slo reads it: no exponent (it read 1e+06s as nothing), ms below 1 s."""
     v, unit = (seconds * 1e3, "ms") if seconds < 1 else (seconds, "s")
-    text = f"{v:.6f}".rstrip("0").rstrip(".")
-    return (text if text != "0" else f"{v:.12f}".rstrip("0").rstrip(".")) + unit
+    return np.format_float_positional(v, trim="-") + unit
 
 
 def commands(c: Config, ctx: CommandContext, drafter: Drafter | None, goodput_rate: float | None = None) -> dict:
