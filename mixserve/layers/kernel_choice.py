@@ -117,13 +117,17 @@ def bound_primitive_caches(capacity: int = PRIMITIVE_CACHE_CAPACITY) -> None:
 
 
 def cap_isa() -> str | None:
-    """Apply $MIXSERVE_ISA (env.forced_isa): "avx2" caps oneDNN's GEMMs at AVX2 too
-    (ONEDNN_MAX_CPU_ISA, read at its first call: call this before one). Returns the forced ISA."""
+    """Apply $MIXSERVE_ISA (env.forced_isa): "avx2" caps PyTorch's GEMMs at AVX2 too, both of its
+    libraries: oneDNN (ONEDNN_MAX_CPU_ISA; the bf16 GEMMs) and MKL (MKL_ENABLE_INSTRUCTIONS; float32
+    `F.linear` is MKL's sgemm, which on an AVX-512 CPU ran 1.5x faster than capped, 2026-12-07, so
+    the forced arm's `--batch-invariant off` was not an AVX2 machine's). Each library reads its
+    variable at its first call: call this before one. Returns the forced ISA."""
     from mixserve.env import forced_isa
 
     isa = forced_isa()
     if isa == "avx2":
         os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+        os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
     return isa
 
 

@@ -424,3 +424,24 @@ def test_a_start_times_kernels_within_its_budget_and_leaves_the_rest_uncached(tm
         KernelChooser(path, machine="m")
     monkeypatch.setenv("MIXSERVE_KERNEL_BUDGET", "5")
     assert KernelChooser(path, machine="m").budget_s == 5.0
+
+
+def test_a_forced_avx2_caps_both_gemm_libraries(tmp_path):
+    """MIXSERVE_ISA=avx2 stands for an AVX2-only CPU in `--batch-invariant off`'s GEMMs too: float32
+    F.linear is MKL's sgemm, which read ONEDNN_MAX_CPU_ISA not at all and ran AVX-512 (MKL_VERBOSE's
+    first line names the instructions it dispatched to)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom mixserve.layers.kernel_choice import cap_isa\nassert cap_isa() == 'avx2'\n"
+            "import os\nprint('ONEDNN', os.environ.get('ONEDNN_MAX_CPU_ISA'))\n"
+            "torch.nn.functional.linear(torch.randn(8, 64), torch.randn(64, 64))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
+    env.update(MIXSERVE_ISA="avx2", MKL_VERBOSE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ONEDNN AVX2" in out.stdout
+    header = [ln for ln in out.stdout.splitlines() if ln.startswith("MKL_VERBOSE oneMKL")]
+    if header:  # a torch built with MKL
+        assert "AVX-512" not in header[0] and "AVX2" in header[0], header[0]
