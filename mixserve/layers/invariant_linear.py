@@ -107,6 +107,7 @@ __attribute__((noinline)) static void micro(const Args& a, const W* w, int64_t l
       step(k);
     }
   }
+#pragma GCC unroll 4
   for (; k < a.ke; ++k) step(k);
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
