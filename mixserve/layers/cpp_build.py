@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 import mixserve.startup as startup
-from mixserve.env import (cache_root, cannot_write, cpu_flags, cpu_isa_key, cpu_model, note_unkept, remove_stale_tmp,
-                          scratch_dir, tmp_sibling, usable_cores)
+from mixserve.env import (cache_root, cannot_write, cpu_flags, cpu_isa_key, cpu_model, forced_isa, note_unkept,
+                          remove_stale_tmp, scratch_dir, tmp_sibling, usable_cores)
 
 log = logging.getLogger("mixserve")
 _built: dict[str, object] = {}
@@ -180,6 +180,7 @@ def _build_or_load(lib: str, kernels: list[Kernel], unit, extra: tuple[str, ...]
     """{kernel name: its ops, or None} for `kernels` built (or loaded) as the library `lib`, whose
     translation unit is unit(those of `kernels` this CPU can run)."""
     flags = cpu_flags()
+    extra = tuple(dict.fromkeys(extra + forced_isa_flags()))
     out: dict[str, object] = {k.name: None for k in kernels}
     lacking = {k.name: set(k.needs) - flags for k in kernels if k.needs and flags and not set(k.needs) <= flags}
     for k, miss in lacking.items():
@@ -212,6 +213,15 @@ def _build_or_load(lib: str, kernels: list[Kernel], unit, extra: tuple[str, ...]
             log.warning("C++ kernel %s unavailable (%s); using eager ops", lib, e)
     startup.add("C++ kernels", time.perf_counter() - t0)
     return out
+
+
+def forced_isa_flags() -> tuple[str, ...]:
+    """The compiler flags of $MIXSERVE_ISA (env.forced_isa): under "avx2" every kernel is built
+    -march=native less AVX-512, as an AVX2-only CPU would build it. Before 2026-12-07 only the GGUF
+    kernel was: the paged attention kernel kept its AVX-512 path for prefill groups and the
+    invariant GEMM its 32 vector registers, so the forced arm was faster than the machine it
+    stands for. The flags are part of a build's key (its folder's digest)."""
+    return ("-mno-avx512f",) if forced_isa() == "avx2" else ()
 
 
 def _import_built(lib: str, so, ops: dict[str, list[str]]):

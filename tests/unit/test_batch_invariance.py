@@ -381,3 +381,70 @@ def test_the_thread_count_changes_no_bits():
                 assert torch.equal(a, r), (n, i)
     finally:
         torch.set_num_threads(before)
+
+
+_CROSS_ISA = r"""
+import sys, torch
+from mixserve.layers import invariant_linear
+from mixserve.layers.paged_decode import paged_rows
+torch.manual_seed(11)
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    kc, vc = torch.randn(20, 16, 2, 64).to(dtype), torch.randn(20, 16, 2, 64).to(dtype)
+    q = torch.randn(41, 14, 64).to(dtype)
+    table = torch.tensor([[7, 3, 9, 1, 5, 11, 13]])
+    out[f"attn-{dtype}"] = paged_rows(q, kc, vc, table, torch.zeros(41, dtype=torch.long), torch.arange(60, 101), 0.125)
+    w = (torch.randn(300, 1100) * 0.1).to(dtype)
+    out[f"gemm-{dtype}"] = invariant_linear.linear(torch.randn(70, 1100), invariant_linear.pack(w), 300, torch.randn(300))
+torch.save(out, sys.argv[1])
+print("LIBS", sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "mixserve_kernels" in ln}))
+"""
+
+
+def test_the_forced_avx2_build_gives_the_native_builds_bits(tmp_path):
+    """Issue 43: under MIXSERVE_ISA=avx2 the bundle is built without AVX-512 (cpp_build.forced_isa_flags),
+    as an AVX2-only CPU builds it: the paged kernel's prefill rows then take the AVX2 loop, not the
+    AVX-512 group path, and the invariant GEMM has 16 vector registers. Both builds give the same
+    bits, so a request's answer does not depend on which of them served it; and the forced process
+    really ran another build (its own library under the cache root, with no 512-bit register)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "cross.py"
+    script.write_text(_CROSS_ISA)
+
+    def run(name, isa):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / name)], capture_output=True, text=True,
+                           timeout=900, env={**os.environ, "MIXSERVE_ISA": isa})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [ln for ln in r.stdout.splitlines() if ln.startswith("LIBS")]
+
+    native_libs = run("native.pt", "native")
+    forced_env = {**os.environ, "MIXSERVE_ISA": "avx2"}
+    r = subprocess.run([sys.executable, "-c", "from mixserve.layers import cpp_build; print(cpp_build.forced_isa_flags())"],
+                       env=forced_env, capture_output=True, text=True, timeout=120)
+    assert "-mno-avx512f" in r.stdout
+    forced_libs = run("avx2.pt", "avx2")
+    assert native_libs and forced_libs and native_libs != forced_libs, (native_libs, forced_libs)
+    import ast
+    import shutil
+
+    from mixserve.env import cpu_flags
+
+    if shutil.which("objdump"):  # no 512-bit register in the forced build; the native one has them
+        def zmm(lib_line):
+            (lib,) = ast.literal_eval(lib_line[len("LIBS "):])
+            return subprocess.run(["objdump", "-d", lib], capture_output=True, text=True).stdout.count("zmm")
+
+        assert zmm(forced_libs[0]) == 0
+        if "avx512f" in cpu_flags():
+            assert zmm(native_libs[0]) > 0
+    # and every test above passes on that build (issue 43: the invariance tests on the forced AVX2 path)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__, "-k",
+                        "not forced_avx2_build"], env=forced_env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    native, avx2 = torch.load(tmp_path / "native.pt"), torch.load(tmp_path / "avx2.pt")
+    assert native.keys() == avx2.keys() and len(native) == 4
+    for name in native:
+        assert torch.equal(native[name], avx2[name]), name
