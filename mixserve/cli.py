@@ -100,9 +100,15 @@ def engine_args(a: argparse.Namespace, **over):
     return EngineArgs(**kw)
 
 
-def _write_json(out: Path, obj) -> None:
+def _write_json(out: Path, obj, finite: bool = False) -> None:
+    """`obj` as JSON at `out`; `finite`: NaN and infinities written as null (a bench report's
+    undefined figures: bench.metrics.json_safe)."""
+    if finite:
+        from mixserve.bench.metrics import json_safe
+
+        obj = json_safe(obj)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(obj, indent=1))
+    out.write_text(json.dumps(obj, indent=1, allow_nan=not finite))
     print(f"wrote {out}")
 
 
@@ -238,7 +244,7 @@ def cmd_bench_online(a) -> int:
     report["machine"] = machine_info()
     print(format_online(report))
     out = Path(a.output or f"results/online-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    _write_json(out, report)
+    _write_json(out, report, finite=True)
     return 0 if not report["failed"] else 1
 
 
@@ -271,7 +277,7 @@ def cmd_bench_compare_allocators(a) -> int:
                         "max_num_batched_tokens": a.max_num_batched_tokens, "max_model_len": a.max_model_len}
     result["machine"] = machine_info()
     out = Path(a.output or f"results/allocators-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    _write_json(out, result)
+    _write_json(out, result, finite=True)
     return 0
 
 
@@ -285,7 +291,7 @@ def cmd_bench(a) -> int:
         return cmd_bench_online(a)
     from mixserve.data.datasets import load_dataset
     from mixserve.bench.arrivals import check_rate, schedule
-    from mixserve.bench.metrics import format_table
+    from mixserve.bench.metrics import format_table, json_safe
     from mixserve.bench.offline import run_offline
     from mixserve.bench.online import parse_slo
     from mixserve.engine.llm_engine import LLMEngine
@@ -350,7 +356,7 @@ def cmd_bench(a) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.save_outputs:
         report["outputs"] = [{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} for o in outs]
-    out.write_text(json.dumps(report, indent=1))
+    out.write_text(json.dumps(json_safe(report), indent=1, allow_nan=False))
     print(f"wrote {out}")
     return 0
 

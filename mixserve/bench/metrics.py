@@ -151,7 +151,22 @@ def goodput(metrics: list[RequestMetrics], slo: dict[str, float], duration_s: fl
             "goodput_requests_per_s": good / duration_s if duration_s > 0 else float("nan")}
 
 
+def json_safe(obj: Any) -> Any:
+    """`obj` (dicts, lists, tuples, numbers) with every NaN or infinite float as None, so that a
+    report is JSON that any reader parses (RFC 8259 has no NaN; Python wrote a bare `NaN`, which
+    jq and JavaScript reject): a run with one-token outputs has no TPOT, an empty one no rate."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "-"
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return str(x)
     if isinstance(x, float) and math.isnan(x):
@@ -186,7 +201,7 @@ def format_table(report: dict) -> str:
     table = [header]
     for label, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("E2E", "e2e_s")):
         s = report[key]
-        table.append([label] + [_fmt(s[k] * 1e3) for k in ("mean", "p50", "p90", "p99")] + [str(s["count"])])
+        table.append([label] + [_fmt(None if s[k] is None else s[k] * 1e3) for k in ("mean", "p50", "p90", "p99")] + [str(s["count"])])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         # Label left-aligned, numbers right-aligned so decimals line up.

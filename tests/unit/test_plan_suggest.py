@@ -396,3 +396,23 @@ def test_benchmarks_plan_the_engines_default_format(tmp_path, tiny, monkeypatch)
     assert default_format(resolve_model(tiny)) == BF16
     monkeypatch.setenv("MIXSERVE_ISA", "avx2")  # the AVX2-only kind: a GGUF is dequantized by default
     assert default_format(resolve_model(str(tmp_path / "tiny.gguf"))) == BF16
+
+
+def test_a_bench_report_is_strict_json_when_a_figure_is_undefined(tiny, tmp_path):
+    """One-token outputs have no TPOT: the report wrote a bare NaN, which RFC 8259 JSON readers
+    (jq, JavaScript) reject; undefined figures are now null, and the table prints them as "-"."""
+    from mixserve.bench.metrics import format_table
+
+    out = tmp_path / "one.json"
+    rc = main(["bench", "--model", tiny, "--dataset", "humaneval", "--num-prompts", "2", "--output-len-cap", "1",
+               "--output", str(out), "--kernels", "eager"])
+    assert rc == 0
+    text = out.read_text()
+
+    def no_constant(name):
+        raise ValueError(f"{name} in a bench report")
+
+    rep = json.loads(text, parse_constant=no_constant)
+    assert rep["tpot_s"]["mean"] is None and rep["tpot_s"]["count"] == 0, rep["tpot_s"]
+    assert rep["ttft_s"]["mean"] is not None and rep["num_requests"] == 2
+    assert "TPOT" in format_table(rep)  # a report read back prints (null as "-")
