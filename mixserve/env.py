@@ -340,9 +340,10 @@ def machine_info() -> dict:
 
 
 def forced_isa() -> str | None:
-    """$MIXSERVE_ISA: "avx2" runs the AVX2 variants of mixserve's kernels (the native GGUF kernel's
-    build of its own) and caps oneDNN at AVX2 (kernel_choice.cap_isa) on a CPU with AVX-512 too, so
-    that any machine can test that path (issue 43); unset or "native": the best the CPU has.
+    """$MIXSERVE_ISA: "avx2" runs the AVX2 variants of mixserve's kernels (every C++ kernel built
+    without AVX-512: cpp_build.forced_isa_flags; the native GGUF kernel's build of its own) and caps
+    oneDNN and MKL at AVX2 (kernel_choice.cap_isa) on a CPU with AVX-512 too, so that any machine can
+    test that path (issue 43); unset or "native": the best the CPU has.
     Raises ValueError for another value."""
     v = os.environ.get("MIXSERVE_ISA", "").strip().lower()
     if v in ("", "native"):
