@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from mixserve.bench.metrics import json_safe
 from mixserve.models.config import ModelConfig
 from mixserve.plan.cost_model import BF16, WeightFormat, kv_bytes_per_token
 from mixserve.plan.planner import PlanSettings, Planner, Variant, bisect_rate, kv_budget
 from mixserve.plan.simulator import SimRequest, SpecSettings
 from mixserve.plan.step_time import MeasuredModel, StepModel
 from mixserve.plan.suggest.space import (BATCHED_TOKENS, DIMENSIONS, PLANNER_ERROR, SEQS, SPEC_KS, Config,
-                                         Drafter, _finite, _ms)
+                                         Drafter, _ms)
 
 @dataclass
 class Suggestion:
@@ -30,7 +31,7 @@ class Suggestion:
 
     def as_json(self) -> dict:
         """The --json document: plain JSON (a non-finite number, e.g. an infinite gain, is null)."""
-        return _finite({"best": self.best, "default": self.default, "runners_up": self.runners_up,
+        return json_safe({"best": self.best, "default": self.default, "runners_up": self.runners_up,
                 "excluded": self.excluded, "verdict": self.verdict, "slo_met": self.slo_met,
                 "configurations_simulated": self.configurations_simulated,
                 "search_seconds": self.search_seconds, "notes": self.notes, "settings": self.settings})

@@ -153,12 +153,3 @@ def _ms(seconds: float) -> str:
         return "nan ms"
     return f"{seconds * 1e6:.0f} us" if abs(seconds) < 1e-3 else f"{seconds * 1e3:.0f} ms"
 
-
-def _finite(x):
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
