@@ -291,7 +291,7 @@ def cmd_bench(a) -> int:
         return cmd_bench_online(a)
     from mixserve.data.datasets import load_dataset
     from mixserve.bench.arrivals import check_rate, schedule
-    from mixserve.bench.metrics import format_table, json_safe
+    from mixserve.bench.metrics import format_table
     from mixserve.bench.offline import run_offline
     from mixserve.bench.online import parse_slo
     from mixserve.engine.llm_engine import LLMEngine
@@ -353,11 +353,9 @@ def cmd_bench(a) -> int:
               f"alpha {ex['spec_alpha']:.3f}, mean accepted per step {ex['spec_mean_accepted_per_step']:.2f}, "
               f"c {ex['spec_c']}")
     out = Path(a.output or f"results/bench-{a.dataset.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     if a.save_outputs:
         report["outputs"] = [{"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids} for o in outs]
-    out.write_text(json.dumps(json_safe(report), indent=1, allow_nan=False))
-    print(f"wrote {out}")
+    _write_json(out, report, finite=True)
     return 0
 
 
