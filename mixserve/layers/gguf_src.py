@@ -1188,24 +1188,26 @@ static inline void unpack8(const uint8_t* lg, const uint8_t* hg, __m256i hv, int
 
 static inline __m256i bcast4x(const void* p) { int32_t u; std::memcpy(&u, p, 4); return _mm256_set1_epi32(u); }
 
-// the sum over each lane's 4 bytes of q * x (q unsigned < 64, x signed), int32
-static inline __m256i dot4x(__m256i q, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-}
-
+// How many vpmaddubsw outputs add up in int16 without overflow: each is two products q * x with
+// |x| <= 128 (x1 in [-127, 127], x2 in [-128, 127]), so n * 2 * qmax * 128 <= 32767: 8 for q < 16
+// (the 4-bit types, and Q8_0's two nibbles), 4 for Q5_0's q < 32, 2 for Q6_K's q < 64. A single
+// output never saturates (2 * 63 * 128 = 16128).
 template <int HB>
-static inline __m256i dotq(__m256i q, __m256i hq, __m256i x) {
-  if constexpr (HB == 4)
-    return _mm256_add_epi32(dot4x(q, x), _mm256_madd_epi16(_mm256_maddubs_epi16(hq, x), _mm256_set1_epi16(16)));
-  else
-    return dot4x(q, x);
-}
+constexpr int cap16() { return HB == 1 ? 4 : (HB == 2 ? 2 : 8); }
 
+// The few-row kernel: per group and half panel, the exact integer sum 256 * sum(q * x1) + sum(q * x2)
+// (Q8_0: q = 16 * hi + lo). vpmaddubsw's int16 outputs are summed in int16 up to cap16 of them, then
+// widened once with vpmaddwd against 256 or 1 (4096 or 16 for Q8_0's high nibble): a quarter of the
+// vpmaddwd of widening every output (a few-row step runs at the instruction rate, not memory's,
+// BENCHMARKS "fewer instructions per weight"). The integers are the same, so the same bits.
 template <int R, int G, int HB, bool ALT = false>  // ALT: as the VNNI variant's few()
 static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
   const int64_t K = L.K, ng = L.ng, nk = K / 32;
   const bool off = L.dm != nullptr;
+  constexpr int JF = cap16<HB>() / 2;  // step pairs per int16 sum (two outputs a pair and level)
   at::parallel_for(0, L.NP, 4, [&](int64_t p0, int64_t p1) {
+    const __m256i k1 = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    const __m256i k16 = _mm256_set1_epi16(16), k4096 = _mm256_set1_epi16(4096);
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* lo = L.lo + p * L.lpp;
       const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
@@ -1219,19 +1221,38 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
         for (int h = 0; h < 2; ++h) {
           const __m256i hv = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32 * h))
                                                   : _mm256_setzero_si256();
-          __m256i a1[R], a2[R];
-          for (int r = 0; r < R; ++r) a1[r] = a2[r] = _mm256_setzero_si256();
-          for (int64_t j = 0; j < G / 8; ++j) {
-            __m256i qa, qb, ha = _mm256_setzero_si256(), hb = _mm256_setzero_si256();
-            unpack8<G, HB>(lg, hg, hv, j, h, qa, qb, ha, hb);
+          __m256i is[R];
+          for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int64_t j0 = 0; j0 < G / 8; j0 += JF) {
+            __m256i s1[R], s2[R], t1[R], t2[R];  // int16 sums per level (t: Q8_0's high nibbles)
+            for (int r = 0; r < R; ++r) s1[r] = s2[r] = t1[r] = t2[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int64_t j = j0; j < j0 + JF; ++j) {
+              __m256i qa, qb, ha = _mm256_setzero_si256(), hb = _mm256_setzero_si256();
+              unpack8<G, HB>(lg, hg, hv, j, h, qa, qb, ha, hb);
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) {
+                const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
+                const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
+                const __m256i u = bcast4x(x1 + 4 * j), v = bcast4x(x1 + 4 * (j + G / 8));
+                s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(qa, u), _mm256_maddubs_epi16(qb, v)));
+                if constexpr (HB == 4)
+                  t1[r] = _mm256_add_epi16(t1[r], _mm256_add_epi16(_mm256_maddubs_epi16(ha, u), _mm256_maddubs_epi16(hb, v)));
+                if (!ALT || r % 2 == 0) {
+                  const __m256i u2 = bcast4x(x2 + 4 * j), v2 = bcast4x(x2 + 4 * (j + G / 8));
+                  s2[r] = _mm256_add_epi16(s2[r], _mm256_add_epi16(_mm256_maddubs_epi16(qa, u2), _mm256_maddubs_epi16(qb, v2)));
+                  if constexpr (HB == 4)
+                    t2[r] = _mm256_add_epi16(t2[r], _mm256_add_epi16(_mm256_maddubs_epi16(ha, u2), _mm256_maddubs_epi16(hb, v2)));
+                }
+              }
+            }
             for (int r = 0; r < R; ++r) {
-              const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
-              const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
-              a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qa, ha, bcast4x(x1 + 4 * j)));
-              a1[r] = _mm256_add_epi32(a1[r], dotq<HB>(qb, hb, bcast4x(x1 + 4 * (j + G / 8))));
-              if (!ALT || r % 2 == 0) {
-                a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qa, ha, bcast4x(x2 + 4 * j)));
-                a2[r] = _mm256_add_epi32(a2[r], dotq<HB>(qb, hb, bcast4x(x2 + 4 * (j + G / 8))));
+              is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s1[r], k256));
+              if (!ALT || r % 2 == 0) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(s2[r], k1));
+              if constexpr (HB == 4) {
+                is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(t1[r], k4096));
+                if (!ALT || r % 2 == 0) is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(t2[r], k16));
               }
             }
           }
@@ -1239,10 +1260,9 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
           scales8(L, p, g, h, s, m);
           for (int r = 0; r < R; ++r) {
             const int64_t row = r0 + r;
-            __m256i is = _mm256_add_epi32(_mm256_slli_epi32(a1[r], 8), a2[r]);
-            if (!off) is = _mm256_sub_epi32(is, _mm256_set1_epi32(L.z * A.gs[row * ng + g]));
+            if (!off) is[r] = _mm256_sub_epi32(is[r], _mm256_set1_epi32(L.z * A.gs[row * ng + g]));
             else acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(A.xs[row * ng + g]), acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]),
                                         _mm256_mul_ps(s, _mm256_set1_ps(A.e[row * nk + c0 / 32])), acc[r][h]);
           }
         }

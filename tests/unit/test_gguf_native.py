@@ -153,6 +153,36 @@ def test_kernel_follows_the_documented_float_order_bit_for_bit(qtype):
                                                  (y != ref).sum().item())
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_integer_extremes_follow_the_float_order(qtype):
+    """The largest q of each type against activations whose int8 levels are extreme and of one sign
+    (x1 = +-127 everywhere, or x2 = -128 on 31 of a block's 32 channels): the sums the AVX2 variant
+    keeps in int16 before widening (gguf_src.py's cap16) come closest to overflowing there, and an
+    overflow shows as a wrong bit against the numpy float order, at the few-row and many-row kernels'
+    row counts and the LM head's three levels."""
+    from mixserve.layers.gguf_linear import _HALF_FIELDS
+
+    bs, ts = BLOCK_SIZES[qtype]
+    for n, k in shapes(qtype)[:2]:
+        b = random_blocks(qtype, n, k, seed=9).reshape(n, k // bs, ts)
+        keep = np.zeros(ts, bool)
+        for off in _HALF_FIELDS[qtype]:
+            keep[off:off + 2] = True
+        # Q8_0's int8 127 is the unsigned 255 (both nibbles 15); every other type's largest q is all ones
+        b[..., ~keep] = 0x7F if qtype == "Q8_0" else 0xFF
+        blocks = b.reshape(n, -1)
+        w = GGUFWeight.from_blocks(qtype, blocks, k)
+        half = np.full(k, -0.5, np.float32)
+        half[::32] = 127.0  # dx = 1: x16 = -128 (x1 = 0, x2 = -128) beside each block's 32512
+        base = np.stack([np.full(k, 127.0, np.float32), np.full(k, -127.0, np.float32), half, -half])
+        for rows in (1, 2, 4, 13):
+            x = base[np.arange(rows) % 4]
+            for levels in (2, 3):
+                ref = torch.from_numpy(float_order_reference(qtype, blocks, k, x, levels))
+                y = w.matmul(torch.from_numpy(x.copy()), levels)
+                assert torch.equal(y, ref), (qtype, n, k, rows, levels, (y != ref).sum().item())
+
+
 def test_two_panel_passes_follow_the_float_order():
     """The few-row kernel's two-panel passes (Q6_K at K >= 4096, gguf_src.py's fewp): 1-4 rows at the
     engine's two levels and the LM head's three, against the numpy float order, on panel counts that
