@@ -331,6 +331,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-invariant", default="on", choices=("on", "off"))
+    ap.add_argument("--gguf-weights", default=None, choices=("native", "dequantize"),
+                    help="a GGUF model's weights (default: the engine's choice for this CPU)")
     ap.add_argument("--out", default=None, help="default results/step_profile-<model>.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -342,7 +344,7 @@ def main() -> int:
     from mixserve.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineArgs(model=a.model, dtype=a.dtype, speculation="off", progress=False,
-                               batch_invariant=a.batch_invariant))
+                               batch_invariant=a.batch_invariant, gguf_weights=a.gguf_weights))
     seeds = iter(range(10**6))
 
     def prompt(n):  # real words, so detokenization does its usual work

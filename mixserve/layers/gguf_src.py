@@ -1203,14 +1203,29 @@ constexpr int cap16() { return HB == 1 ? 4 : (HB == 2 ? 2 : 8); }
 template <int R, int G, int HB, bool ALT = false>  // ALT: as the VNNI variant's few()
 static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF) {
   const int64_t K = L.K, ng = L.ng, nk = K / 32;
-  const bool off = L.dm != nullptr;
   constexpr int JF = cap16<HB>() / 2;  // step pairs per int16 sum (two outputs a pair and level)
   at::parallel_for(0, L.NP, 4, [&](int64_t p0, int64_t p1) {
+    // locals, not reads through L and A: through the references the compiler reloaded every field and
+    // recomputed every row's address at each group (scalar work that outran the vector work at G = 16)
+    const Layout M = L;
+    const bool off = M.dm != nullptr;
+    const int8_t* X1[R];
+    const int8_t* X2[R];
+    const float* E[R];
+    const float* XS[R];
+    const int32_t* GS[R];
+    for (int r = 0; r < R; ++r) {
+      X1[r] = A.x1.data() + (r0 + r) * K;
+      X2[r] = A.x2.data() + (r0 + r) * K;
+      E[r] = A.e.data() + (r0 + r) * nk;
+      XS[r] = A.xs.data() + (r0 + r) * ng;
+      GS[r] = A.gs.data() + (r0 + r) * ng;
+    }
     const __m256i k1 = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     const __m256i k16 = _mm256_set1_epi16(16), k4096 = _mm256_set1_epi16(4096);
     for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* lo = L.lo + p * L.lpp;
-      const uint8_t* hi = HB ? L.hi + p * L.hpp : nullptr;
+      const uint8_t* lo = M.lo + p * M.lpp;
+      const uint8_t* hi = HB ? M.hi + p * M.hpp : nullptr;
       __m256 acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t g = 0; g < ng; ++g) {
@@ -1218,6 +1233,7 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
         const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
         if (PF) _mm_prefetch((const char*)(lg + PF * 64), _MM_HINT_T0);
         const int64_t c0 = g * G;
+#pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i hv = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32 * h))
                                                   : _mm256_setzero_si256();
@@ -1233,8 +1249,8 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
               unpack8<G, HB>(lg, hg, hv, j, h, qa, qb, ha, hb);
 #pragma GCC unroll 4
               for (int r = 0; r < R; ++r) {
-                const int8_t* x1 = A.x1.data() + (r0 + r) * K + c0;
-                const int8_t* x2 = A.x2.data() + (r0 + r) * K + c0;
+                const int8_t* x1 = X1[r] + c0;
+                const int8_t* x2 = X2[r] + c0;
                 const __m256i u = bcast4x(x1 + 4 * j), v = bcast4x(x1 + 4 * (j + G / 8));
                 s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(qa, u), _mm256_maddubs_epi16(qb, v)));
                 if constexpr (HB == 4)
@@ -1257,19 +1273,18 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
             }
           }
           __m256 s, m;
-          scales8(L, p, g, h, s, m);
+          scales8(M, p, g, h, s, m);
           for (int r = 0; r < R; ++r) {
-            const int64_t row = r0 + r;
-            if (!off) is[r] = _mm256_sub_epi32(is[r], _mm256_set1_epi32(L.z * A.gs[row * ng + g]));
-            else acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(A.xs[row * ng + g]), acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]),
-                                        _mm256_mul_ps(s, _mm256_set1_ps(A.e[row * nk + c0 / 32])), acc[r][h]);
+            if (!off) is[r] = _mm256_sub_epi32(is[r], _mm256_set1_epi32(M.z * GS[r][g]));
+            else acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(XS[r][g]), acc[r][h]);
+            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(s, _mm256_set1_ps(E[r][c0 / 32])),
+                                        acc[r][h]);
           }
         }
       }
-      const int64_t left = L.N - 16 * p;
+      const int64_t left = M.N - 16 * p;
       for (int r = 0; r < R; ++r) {
-        float* o = y + (r0 + r) * L.N + 16 * p;
+        float* o = y + (r0 + r) * M.N + 16 * p;
         if (left >= 16) {
           _mm256_storeu_ps(o, acc[r][0]);
           _mm256_storeu_ps(o + 8, acc[r][1]);
