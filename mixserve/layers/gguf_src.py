@@ -1368,6 +1368,9 @@ static inline void micro(const Layout& L, const Tile& T, int64_t i, const Act& A
         const __m256i xb = bcast4x(A.x16.data() + (r0 + r) * K + g * G + 2 * t);
         I[r][0] = _mm256_add_epi32(I[r][0], _mm256_madd_epi16(w0, xb));
         I[r][1] = _mm256_add_epi32(I[r][1], _mm256_madd_epi16(w1, xb));
+        // the sums in registers, added in this order: integer adds reassociate, and GCC made the
+        // unrolled loop one tree of 96 products, most of them spilled to the stack and read back
+        asm("" : "+x"(I[r][0]), "+x"(I[r][1]));
       }
     }
     for (int r = 0; r < MR; ++r) {
