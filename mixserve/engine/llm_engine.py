@@ -73,8 +73,8 @@ def _build_kernels_in_background(args: EngineArgs) -> None:
     builds = [paged_decode.build]
     if args.batch_invariant == "on":
         builds.append(invariant_linear.build)
-    # unset: the kernel is built only where its default variant (VNNI) may run (default_native's
-    # flags test); an AVX2-only CPU dequantizes by default and would build it for nothing (~30 s)
+    # unset: the kernel is built only where a variant of it may run (default_native's flags test);
+    # a CPU without AVX2, FMA or F16C dequantizes and would build it for nothing (~30 s)
     if args.load_gguf_weights == "native" or (args.load_gguf_weights is None and gguf_kernels.may_default_native()):
         from mixserve.models.registry import resolve_model
 

@@ -58,9 +58,8 @@ def kernel() -> Kernel:
 
 def bundled() -> bool:
     """Whether this kernel is built with the others of cpp_build.BUNDLED: where GGUF files load
-    natively by default (may_default_native). Elsewhere (an AVX2-only CPU, MIXSERVE_ISA=avx2) a
-    start dequantizes by default and would compile it for nothing; `--gguf-weights native` builds
-    it alone."""
+    natively by default (may_default_native). Elsewhere (a CPU without AVX2, FMA or F16C) a start
+    dequantizes and would compile it for nothing."""
     return may_default_native()
 
 
@@ -70,25 +69,21 @@ def build():
     return build_extension(k.name, k.source, list(k.functions), needs=k.needs, extra_flags=k.extra_flags)
 
 
-VNNI_NEEDS = frozenset({"avx512_vnni", "avx512bw"})  # what -march=native needs to build the VNNI variant
-
-
 def may_default_native() -> bool:
-    """False where default_native() is false for certain without building anything: MIXSERVE_ISA=avx2,
-    or a CPU whose flags lack AVX512-VNNI or AVX512-BW."""
-    if forced_isa() == "avx2":
-        return False
+    """False where default_native() is false for certain without building anything: a CPU whose
+    flags lack AVX2, FMA or F16C (the least either variant needs)."""
     flags = cpu_flags()
-    return not flags or VNNI_NEEDS <= flags
+    return not flags or NEEDS <= flags
 
 
 def default_native() -> bool:
-    """Whether a GGUF file loads natively when --gguf-weights is not given: where the AVX512-VNNI
-    variant runs. The AVX2 variant (asked for by --gguf-weights native) decodes one stream faster
-    than the float32 dequantized copy but prefills and decodes wide batches slower, with batch
-    invariance's two int8 levels at every row count (BENCHMARKS.md, issue 43). Builds the kernel
-    only where may_default_native()."""
-    return may_default_native() and available() and isa() == "avx512-vnni"
+    """Whether a GGUF file loads natively when --gguf-weights is not given: wherever a variant of
+    the kernel runs, AVX512-VNNI or AVX2. The AVX2 variant had been asked for by --gguf-weights native
+    only, while its many-row kernel ran 1.3-1.6x the float32 invariant GEMM's time; with its sums
+    kept in registers it runs the 0.5B's prefill in 0.85x the dequantized float32 path's time and
+    decodes 1 and 8 rows in 0.31x and 0.62x, from a fifth of the bytes (64 rows: 1.18x; BENCHMARKS.md,
+    issue 43, "native by default on AVX2"). Builds the kernel only where may_default_native()."""
+    return may_default_native() and available()
 
 
 def why_not_native() -> str:
@@ -96,9 +91,6 @@ def why_not_native() -> str:
     flags = cpu_flags()
     if flags and not NEEDS <= flags:
         return "no native kernel here: it needs AVX2, FMA and F16C"
-    if not may_default_native():
-        return ("the native kernel here is its AVX2 variant, slower than float32 at prefill and wide batches; "
-                "--gguf-weights native runs it")
     if os.environ.get("MIXSERVE_NO_CPP_KERNELS"):
         return "no native kernel here: MIXSERVE_NO_CPP_KERNELS turns the C++ kernels off"
     if not available():

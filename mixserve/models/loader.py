@@ -38,9 +38,9 @@ GGUF_WEIGHTS = ("native", "dequantize")
 def use_native_gguf(gguf_weights: str | None, quantization: str | None, built: bool = True) -> bool:
     """Whether a GGUF file loads with its quantized weights as stored (layers/gguf_linear.py).
 
-    gguf_weights: "native", "dequantize", or None (native where the kernel's AVX512-VNNI variant
-    runs on this machine and no int4 quantization is asked for: RTN and AWQ start from the
-    dequantized weights; its AVX2 variant is asked for by "native", gguf_kernels.default_native).
+    gguf_weights: "native", "dequantize", or None (native where a variant of the kernel, AVX512-VNNI
+    or AVX2, runs on this machine and no int4 quantization is asked for: RTN and AWQ start from the
+    dequantized weights; gguf_kernels.default_native).
     built=False: decided from the CPU's flags alone, without waiting for the kernel's build (the
     loader reads and repacks the file beside it, then asks again with built=True).
     Raises ValueError for another value, or "native" with quantization or without the kernel."""

@@ -149,7 +149,7 @@ INT4 = WeightFormat("int4", 128)
 def default_format(resolved) -> WeightFormat:
     """The weight format the engine runs a resolved model (models.registry.resolve_model) in by default:
     a GGUF file's tensors as stored where the loader loads it natively without flags
-    (models.loader.use_native_gguf: the AVX512-VNNI kernel runs here), else bf16 (the dequantized copy,
+    (models.loader.use_native_gguf: a variant of the kernel runs here), else bf16 (the dequantized copy,
     or an HF folder). A benchmark that compares the planner with the engine's default must plan this
     one: planned as bf16, the native 0.5B's decode was put at ~2.5x its time (benchmarks/prefix_cache.py,
     2026-12-06). Builds the GGUF kernel where the CPU may run it natively."""

@@ -16,15 +16,12 @@ from mixserve import SamplingParams
 from mixserve.layers import gguf_kernels, gguf_linear
 from mixserve.llm import LLM
 
-# On the VNNI variant (a default start's native path). The AVX2 variant computes the same bits
-# (tests/unit/test_gguf_native.py checks both against one numpy emulation of the float order), so
-# its run here would repeat this one's outcome for 25 s of CI's 15 minutes: MIXSERVE_TEST_AVX2_NATIVE=1
-# runs it there too. Without either, there is nothing native to compare.
+# On the variant a default start runs natively: AVX512-VNNI, or AVX2 on a CPU without it (and under
+# MIXSERVE_ISA=avx2). Both compute the same bits (tests/unit/test_gguf_native.py checks both against
+# one numpy emulation of the float order). Without a native kernel there is nothing native to compare.
 pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not (gguf_kernels.may_default_native() and gguf_kernels.default_native())
-                                 and not (os.environ.get("MIXSERVE_TEST_AVX2_NATIVE") and gguf_kernels.available()),
-                                 reason="the native GGUF kernel's VNNI variant is not here (MIXSERVE_TEST_AVX2_NATIVE=1 "
-                                        "runs the AVX2 one)")]
+              pytest.mark.skipif(not (gguf_kernels.may_default_native() and gguf_kernels.default_native()),
+                                 reason="no native GGUF kernel here (it needs AVX2, FMA, F16C and a C++ compiler)")]
 
 TOKENS = 40  # 64 before issue 43 ran it on AVX2 machines too (the suite's 15 minutes, issue 32)
 # the kernel at every row count (as a decode step runs it), also for the teacher-forced prefill
