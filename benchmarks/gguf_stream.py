@@ -55,7 +55,7 @@ def main() -> None:
     print(f"native kernel variant: {gguf_kernels.isa()}; int8 levels: {gguf_linear.ACT_LEVELS}", flush=True)
     rows = []
     per_token = {}
-    for i, (qt, n, k, levels) in enumerate(SHAPES[a.model]):
+    for si, (qt, n, k, levels) in enumerate(SHAPES[a.model]):
         nbytes = random_weight(qt, 2, k).nbytes() * n // 2
         copies = COPIES if a.model == "1.5b" else max(2, -(-96_000_000 // nbytes))
         ws = [random_weight(qt, n, k, seed=i) for i in range(copies)]
@@ -72,7 +72,7 @@ def main() -> None:
             t = time_calls(ws, call)
             row[f"dram_GBps_pf{pf}"] = nbytes / t / 1e9
             if a.model in STEP:
-                row[f"ms_per_token_pf{pf}"] = 1e3 * t * STEP[a.model][i][4]
+                row[f"ms_per_token_pf{pf}"] = 1e3 * t * STEP[a.model][si][4]
                 per_token[pf] = per_token.get(pf, 0.0) + row[f"ms_per_token_pf{pf}"]
             row[f"cached_GBps_pf{pf}"] = nbytes / time_calls([ws[0], ws[0]], call) / 1e9
         bufs = [torch.ones(nbytes // 4) for _ in range(copies)]
