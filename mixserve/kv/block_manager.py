@@ -251,6 +251,12 @@ class BlockManager:
                 self.ref_counts[b] -= 1
                 table[i] = nb
                 copies.append((b, nb))
+            elif self.hash_of[b] is not None:
+                # written in place while registered: a block cut back by `truncate` while shared, whose
+                # sharers have gone since, would keep naming the prefix it is about to stop holding
+                if self.cached.get(self.hash_of[b]) == b:
+                    del self.cached[self.hash_of[b]]
+                self.hash_of[b] = None
         while len(table) < self.blocks_for(end):
             table.append(self._take())
         self.peak_used = max(self.peak_used, self.num_used_blocks)

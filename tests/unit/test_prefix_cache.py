@@ -374,3 +374,30 @@ def test_parallel_sample_released_when_the_prefill_ends_on_a_verified_row(tiny, 
     assert set(outs) == {"lead", "f"} and outs["f"].token_ids == outs["lead"].token_ids
     _check(hf, p, outs["f"], 6)
     assert not eng.has_unfinished() and eng.num_waiting == 0
+
+
+def test_a_block_cut_back_while_shared_is_unregistered_when_written_in_place():
+    """The CI run of 2026-12-07 (hypothesis, CachingMachine): a sequence cut back (`truncate`) into a
+    block it shared kept that block's registration (the write would copy it); its sharers then went,
+    so the next append wrote in place, and a later prompt was handed a block naming [0]*7 + [1] that
+    held [0]*8. `append_slots` now drops the registration of a block it writes in place."""
+
+    class Draws:
+        def __init__(self, *v):
+            self.v = list(v)
+
+        def draw(self, _):
+            return self.v.pop(0)
+
+    m = CachingMachine()
+    steps = [lambda: m.admit(base=None, cut=0, extra=[0, 0, 0, 0, 0, 0, 0, 1], salt="k"),
+             *[lambda: m.fork(Draws(0))] * 3, lambda: m.free(Draws(0)), lambda: m.free(Draws(1)),
+             lambda: m.append(Draws(2, [0]), k=1), lambda: m.admit(base=None, cut=0, extra=[0], salt=None),
+             lambda: m.truncate(Draws(3), keep=7), *[lambda: m.append(Draws(2, [0]), k=1)] * 3,
+             lambda: m.free(Draws(2)), lambda: m.free(Draws(4)), lambda: m.append(Draws(3, [0]), k=1),
+             lambda: m.admit(base=0, cut=7, extra=[1, 0], salt="k")]
+    for step in steps:
+        step()
+        m.accounting()
+        m.visible_content()
+    assert sorted(m.seqs) == [3, 5]  # the last prompt was admitted, checked against its prefix
