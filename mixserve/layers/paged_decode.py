@@ -17,7 +17,11 @@ Consecutive rows reading one table row (a prefill chunk's) form groups of up to 
 widened once; with AVX-512 such a group computes its scores 16 positions at a time from K transposed,
 and the V sums take up to four heads a pass in 512-bit registers, each score and output element
 with the very operations of the one-row loop (so the same bits: a 1536-row chunk of the 0.5B, one
-layer, 59-64 -> 38-39 ms; issue 43, sixth round).
+layer, 59-64 -> 38-39 ms; issue 43, sixth round). The V sums keep their accumulators in registers
+(templated head and register counts: with run-time counts GCC stored every accumulator after every
+FMA), the scores take two query heads per K^T load, and the softmax's max and exps run 16 lanes
+wide with the 8-lane sum's order: 1.3-1.65x faster prefill attention and 1.25-1.45x faster decode
+attention on a Zen 4 EPYC, 1.1-1.4x with AVX2 forced, the same bits (BENCHMARKS.md, 2026-12-07).
 
 It is one candidate of the decode-attention choice (`attention.decode_candidates`), used where it
 is measured faster on the machine at hand.
@@ -51,6 +55,30 @@ static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 ld8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+// The V sum of one query head, output elements 8 * i0 .. 8 * (i0 + N8) - 1: each one FMA chain over
+// the positions in order (the 8-lane path). N8 a template argument and every loop over the
+// accumulators unrolled, so that they stay in registers (with a run-time count GCC kept them in
+// memory: a load and a store around every FMA)
+template <int N8, typename T>
+static inline void vsum8(const float* sj, int64_t L, const float* vf, const T* vc, const int64_t* slot, int64_t d,
+                         int64_t i0, T* o) {
+  __m256 acc[N8];
+#pragma GCC unroll 8
+  for (int i = 0; i < N8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < L; ++p) {
+    const __m256 w = _mm256_set1_ps(sj[p]);
+    const float* vr = (vf ? vf + p * d : reinterpret_cast<const float*>(vc + slot[p] * d)) + 8 * i0;
+#pragma GCC unroll 8
+    for (int i = 0; i < N8; ++i) acc[i] = _mm256_fmadd_ps(w, ld8(vr + 8 * i), acc[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < N8; ++i) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[i]);
+    for (int l = 0; l < 8; ++l) o[8 * (i0 + i) + l] = static_cast<T>(tmp[l]);
+  }
+}
+
 static inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -77,6 +105,28 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#ifdef __AVX512F__
+// exp8 on 16 lanes: the same operations per lane, so the same bits
+static inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(lo, x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(~under, p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // Consecutive rows that read one table row (a prefill chunk's rows of one sequence) form a group of
 // at most GROUP rows; a task is (group, KV head): the group's K and V rows are widened once for all
 // its rows, not once a row. Each row's arithmetic is the same in a group as alone.
@@ -99,31 +149,75 @@ static inline void scores16(const float* qj, const float* kt, int64_t ld, int64_
   const __m512 u = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
   _mm512_storeu_ps(out + p, _mm512_mul_ps(_mm512_add_ps(t, u), _mm512_set1_ps(scale)));
 }
-// V sums of h <= 16 / NZ query heads (NZ 16-float registers a head) over positions 0..L-1 in order:
+// scores16 for two query heads at once: each K^T load feeds both heads' FMAs (loads, not FMAs, bound
+// the one-head loop on a CPU with one 512-bit load a cycle); each head's lanes get scores16's
+// operations in its order, so the same bits
+static inline void scores16x2(const float* qa, const float* qb, const float* kt, int64_t ld, int64_t D8, int64_t p,
+                              float scale, float* oa, float* ob) {
+  __m512 a[8], b[8];
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) {
+    const __m512 k = _mm512_loadu_ps(kt + l * ld + p);
+    a[l] = _mm512_mul_ps(_mm512_set1_ps(qa[l]), k);
+    b[l] = _mm512_mul_ps(_mm512_set1_ps(qb[l]), k);
+  }
+  for (int64_t i = 1; i < D8; ++i)
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const __m512 k = _mm512_loadu_ps(kt + (8 * i + l) * ld + p);
+      a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qa[8 * i + l]), k, a[l]);
+      b[l] = _mm512_fmadd_ps(_mm512_set1_ps(qb[8 * i + l]), k, b[l]);
+    }
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 ta = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+  const __m512 ua = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+  _mm512_storeu_ps(oa + p, _mm512_mul_ps(_mm512_add_ps(ta, ua), sc));
+  const __m512 tb = _mm512_add_ps(_mm512_add_ps(b[0], b[4]), _mm512_add_ps(b[2], b[6]));
+  const __m512 ub = _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7]));
+  _mm512_storeu_ps(ob + p, _mm512_mul_ps(_mm512_add_ps(tb, ub), sc));
+}
+// V sums of H query heads (NZ 16-float registers a head) over positions 0..L-1 in order:
 // out[j][e] = sum_p s[j * ld + p] * V[p][e], one FMA chain a element; V rows widened (vf) or the
-// cache's own float rows (vf null: T is float)
-template <int NZ, typename T>
-static inline void vsum512(const float* s, int64_t ld, int64_t h, int64_t L, const float* vf, const T* vc,
-                           const int64_t* slot, int64_t d, T* out) {
-  constexpr int MH = NZ >= 4 ? 16 / NZ : 4;
-  __m512 acc[MH][NZ];
-  for (int j = 0; j < MH; ++j)
+// cache's own float rows (vf null: T is float). H is a template argument and every loop over the
+// accumulators unrolled: with a run-time head count (or a rolled loop reading them at the end) GCC
+// kept them in memory, a store after every FMA (1.2-1.5x the time of a 1024-token prefill's attention)
+template <int NZ, int H, typename T>
+static inline void vsum512h(const float* s, int64_t ld, int64_t L, const float* vf, const T* vc,
+                            const int64_t* slot, int64_t d, T* out) {
+  __m512 acc[H][NZ];
+#pragma GCC unroll 16
+  for (int j = 0; j < H; ++j)
+#pragma GCC unroll 16
     for (int i = 0; i < NZ; ++i) acc[j][i] = _mm512_setzero_ps();
   for (int64_t p = 0; p < L; ++p) {
     const float* vr = vf ? vf + p * d : reinterpret_cast<const float*>(vc + slot[p] * d);
     __m512 v[NZ];
+#pragma GCC unroll 16
     for (int i = 0; i < NZ; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
-    for (int j = 0; j < MH; ++j) {
-      if (j >= h) break;
+#pragma GCC unroll 16
+    for (int j = 0; j < H; ++j) {
       const __m512 w = _mm512_set1_ps(s[j * ld + p]);
+#pragma GCC unroll 16
       for (int i = 0; i < NZ; ++i) acc[j][i] = _mm512_fmadd_ps(w, v[i], acc[j][i]);
     }
   }
-  for (int j = 0; j < h; ++j) {
+#pragma GCC unroll 16
+  for (int j = 0; j < H; ++j) {
     alignas(64) float tmp[16 * NZ];
+#pragma GCC unroll 16
     for (int i = 0; i < NZ; ++i) _mm512_store_ps(tmp + 16 * i, acc[j][i]);
     for (int e = 0; e < 16 * NZ; ++e) out[j * d + e] = static_cast<T>(tmp[e]);
   }
+}
+// h <= 16 / NZ (4 where NZ < 4) query heads: vsum512h for h
+template <int NZ, typename T>
+static inline void vsum512(const float* s, int64_t ld, int64_t h, int64_t L, const float* vf, const T* vc,
+                           const int64_t* slot, int64_t d, T* out) {
+  constexpr int MH = NZ >= 4 ? 16 / NZ : 4;
+  if (h >= MH) return vsum512h<NZ, MH>(s, ld, L, vf, vc, slot, d, out);
+  if (h == 1) return vsum512h<NZ, 1>(s, ld, L, vf, vc, slot, d, out);
+  if (h == 2) return vsum512h<NZ, (MH > 2 ? 2 : 1)>(s, ld, L, vf, vc, slot, d, out);  // MH > 2 here
+  return vsum512h<NZ, (MH > 3 ? 3 : 1)>(s, ld, L, vf, vc, slot, d, out);              // h == 3 < MH = 4
 }
 #endif
 
@@ -182,8 +276,13 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       for (int64_t i = 0; i < g * d; ++i) qf[i] = static_cast<float>(q[(b * H + kh * g) * d + i]);
 #ifdef __AVX512F__
       if (trans) {  // a 16-position block of K^T (d x 16 floats) stays in L1 for the g query heads
-        for (int64_t p = 0; p < L; p += 16)
-          for (int64_t j = 0; j < g; ++j) scores16(qf.data() + j * d, kt.data(), LT, D8, p, scale, s.data() + j * LS);
+        for (int64_t p = 0; p < L; p += 16) {
+          int64_t j = 0;
+          for (; j + 2 <= g; j += 2)
+            scores16x2(qf.data() + j * d, qf.data() + (j + 1) * d, kt.data(), LT, D8, p, scale, s.data() + j * LS,
+                       s.data() + (j + 1) * LS);
+          if (j < g) scores16(qf.data() + j * d, kt.data(), LT, D8, p, scale, s.data() + j * LS);
+        }
       }
 #endif
       // a query head's vector stays in registers over the positions (per score: its K row's loads and
@@ -212,10 +311,32 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       for (int64_t j = 0; j < g; ++j) {
         float* sj = s.data() + j * LS;
         float m = -INFINITY;
-        for (int64_t p = 0; p < L; ++p) m = std::max(m, sj[p]);
-        const __m256 mv = _mm256_set1_ps(m);
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t p = 0; p < L8; p += 8) {  // lanes past L: exp of (0 - m) computed, then zeroed
+        int64_t p8 = 0;  // positions whose exps the 16-lane loop took
+#ifdef __AVX512F__
+        {  // the max 16 lanes at a time (a max is exact in any order; a NaN score is skipped either way),
+           // the exps 16 at a time (exp16: exp8's bits), their sum still 8 lanes over the positions in order
+          __m512 mx = _mm512_set1_ps(-INFINITY);
+          int64_t p = 0;
+          for (; p + 16 <= L; p += 16) mx = _mm512_max_ps(_mm512_loadu_ps(sj + p), mx);
+          if (p < L)
+            mx = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << (L - p)) - 1), sj + p), mx);
+          m = _mm512_reduce_max_ps(mx);
+          const __m512 mz = _mm512_set1_ps(m);
+          for (; p8 + 16 <= L8; p8 += 16) {  // lanes past L: exp of (0 - m) computed, then zeroed
+            const int64_t left = L - p8;
+            const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + p8), mz)));
+            _mm512_storeu_ps(sj + p8, e);
+            sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+            sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+          }
+        }
+#else
+        for (int64_t p = 0; p < L; ++p) m = std::max(m, sj[p]);
+#endif
+        const __m256 mv = _mm256_set1_ps(m);
+        for (int64_t p = p8; p < L8; p += 8) {  // lanes past L: exp of (0 - m) computed, then zeroed
           const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)p), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
           const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)L), idx));
           const __m256 e = _mm256_and_ps(live, exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + p), mv)));
@@ -251,23 +372,16 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
         const float* sj = s.data() + j * LS;
         T* o = out + (b * H + kh * g + j) * d;
         for (int64_t i0 = 0; i0 < D8; i0 += 8) {  // 8 registers of the output at a time
-          const int64_t n8 = std::min<int64_t>(8, D8 - i0);
-          __m256 acc[8];
-          for (int64_t i = 0; i < n8; ++i) acc[i] = _mm256_setzero_ps();
-          for (int64_t p = 0; p < L; ++p) {
-            const __m256 w = _mm256_set1_ps(sj[p]);
-            const float* vr = (widen ? vf.data() + p * d : reinterpret_cast<const float*>(vc + slot[p] * d)) + 8 * i0;
-            if (n8 == 8) {
-#pragma GCC unroll 8
-              for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, ld8(vr + 8 * i), acc[i]);
-            } else {
-              for (int64_t i = 0; i < n8; ++i) acc[i] = _mm256_fmadd_ps(w, ld8(vr + 8 * i), acc[i]);
-            }
-          }
-          for (int64_t i = 0; i < n8; ++i) {
-            alignas(32) float tmp[8];
-            _mm256_store_ps(tmp, acc[i]);
-            for (int l = 0; l < 8; ++l) o[8 * (i0 + i) + l] = static_cast<T>(tmp[l]);
+          const float* vbase = widen ? vf.data() : nullptr;
+          switch (std::min<int64_t>(8, D8 - i0)) {
+            case 1: vsum8<1>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 2: vsum8<2>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 3: vsum8<3>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 4: vsum8<4>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 5: vsum8<5>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 6: vsum8<6>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            case 7: vsum8<7>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
+            default: vsum8<8>(sj, L, vbase, vc, slot.data(), d, i0, o); break;
           }
         }
       }
