@@ -21,7 +21,7 @@ layer, 59-64 -> 38-39 ms; issue 43, sixth round). The V sums keep their accumula
 (templated head and register counts: with run-time counts GCC stored every accumulator after every
 FMA), the scores take two query heads per K^T load, and the softmax's max and exps run 16 lanes
 wide with the 8-lane sum's order: 1.3-1.65x faster prefill attention and 1.25-1.45x faster decode
-attention on a Zen 4 EPYC, 1.1-1.4x with AVX2 forced, the same bits (BENCHMARKS.md, 2026-12-07).
+attention on a Zen 4 EPYC, 1.1-1.5x with AVX2 forced, the same bits (BENCHMARKS.md, 2026-12-07).
 
 It is one candidate of the decode-attention choice (`attention.decode_candidates`), used where it
 is measured faster on the machine at hand.
