@@ -5,7 +5,8 @@ length L, bfloat16 (the engine's default cache dtype), 2 threads:
   - prefill: one L-token chunk through `paged_rows` (what `--batch-invariant on` runs for a prompt's
     attention) against causal SDPA on the same K/V laid out contiguously (what `off` runs);
   - decode: 32 rows at context L through `paged_decode`;
-each the median of --reps calls. With --old PATH, that checkout's kernel source
+each the median of --reps calls. Under MIXSERVE_ISA=avx2 the kernels are built without AVX-512 and
+SDPA's oneDNN is capped at AVX2 (kernel_choice.cap_isa), as the engine does. With --old PATH, that checkout's kernel source
 (PATH/mixserve/layers/paged_decode.py) is built as a scratch module beside this one, both are
 checked for equal bits on every case, and their times are taken alternately, --rounds rounds
 (medians): the machines are noisy, ratios within one run are what to read.
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from mixserve.env import machine_info
 from mixserve.layers import paged_decode
 from mixserve.layers.cpp_build import build_extension, forced_isa_flags
+from mixserve.layers.kernel_choice import cap_isa
 
 LAYOUTS = {"0.5B": (14, 2, 64), "1.5B": (12, 2, 128)}
 BLOCK = 16
@@ -39,9 +41,9 @@ def other_kernel(path: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     src = mod._SRC[:mod._SRC.index("TORCH_LIBRARY_FRAGMENT")]
-    tag = abs(hash(src)) % 10 ** 10
-    built = build_extension(f"bench_paged_other_{tag}", src, ["paged_rows", "paged_decode"],
-                            extra_flags=forced_isa_flags())
+    # one name: build_extension keys its folder by the source's digest (a name from Python's hash() of
+    # the source changed every process, so every run compiled it again into a new folder)
+    built = build_extension("bench_paged_other", src, ["paged_rows", "paged_decode"], extra_flags=forced_isa_flags())
     if built is None:
         raise SystemExit(f"could not build the kernel of {path}")
     return built
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out")
     a = ap.parse_args()
+    cap_isa()  # MIXSERVE_ISA=avx2 caps SDPA's library too, as in the engine, before its first call
     torch.set_num_threads(2)
     info = machine_info()
     print(json.dumps(info), flush=True)
