@@ -133,48 +133,33 @@ static inline __m512 exp16(__m512 x) {
 constexpr int64_t GROUP = 16;
 
 #ifdef __AVX512F__
-// Scores of one row and query head for 16 positions at once, from K transposed (kt[i * ld + p] = K[p][i]):
-// lane p's score is the arithmetic of the 8-lane loop below, bit for bit: 8 partial sums, the one for
-// head element 8i + l an FMA chain over i (a product first), then hsum8's tree,
-// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), then the scale.
-static inline void scores16(const float* qj, const float* kt, int64_t ld, int64_t D8, int64_t p, float scale,
-                            float* out) {
-  __m512 a[8];
-  for (int l = 0; l < 8; ++l) a[l] = _mm512_mul_ps(_mm512_set1_ps(qj[l]), _mm512_loadu_ps(kt + l * ld + p));
-  for (int64_t i = 1; i < D8; ++i)
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l)
-      a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qj[8 * i + l]), _mm512_loadu_ps(kt + (8 * i + l) * ld + p), a[l]);
-  const __m512 t = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
-  const __m512 u = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
-  _mm512_storeu_ps(out + p, _mm512_mul_ps(_mm512_add_ps(t, u), _mm512_set1_ps(scale)));
-}
-// scores16 for two query heads at once: each K^T load feeds both heads' FMAs (loads, not FMAs, bound
-// the one-head loop on a CPU with one 512-bit load a cycle); each head's lanes get scores16's
-// operations in its order, so the same bits
-static inline void scores16x2(const float* qa, const float* qb, const float* kt, int64_t ld, int64_t D8, int64_t p,
-                              float scale, float* oa, float* ob) {
-  __m512 a[8], b[8];
+// Scores of NH query heads of one row for 16 positions at once, from K transposed (kt[i * ld + p] =
+// K[p][i]): lane p's score of head h is the arithmetic of the 8-lane loop below, bit for bit: 8 partial
+// sums, the one for head element 8i + l an FMA chain over i (a product first), then hsum8's tree,
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), then the scale. NH 2: each K^T load feeds both heads'
+// FMAs (loads, not FMAs, bound the one-head loop on a CPU with one 512-bit load a cycle), each head's
+// lanes in the same order, so the same bits. q[h]: head h's d floats; out[h] + p: its 16 scores.
+template <int NH>
+static inline void scores16(const float* const* q, const float* kt, int64_t ld, int64_t D8, int64_t p, float scale,
+                            float* const* out) {
+  __m512 a[NH][8];
 #pragma GCC unroll 8
   for (int l = 0; l < 8; ++l) {
     const __m512 k = _mm512_loadu_ps(kt + l * ld + p);
-    a[l] = _mm512_mul_ps(_mm512_set1_ps(qa[l]), k);
-    b[l] = _mm512_mul_ps(_mm512_set1_ps(qb[l]), k);
+    for (int h = 0; h < NH; ++h) a[h][l] = _mm512_mul_ps(_mm512_set1_ps(q[h][l]), k);
   }
   for (int64_t i = 1; i < D8; ++i)
 #pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) {
       const __m512 k = _mm512_loadu_ps(kt + (8 * i + l) * ld + p);
-      a[l] = _mm512_fmadd_ps(_mm512_set1_ps(qa[8 * i + l]), k, a[l]);
-      b[l] = _mm512_fmadd_ps(_mm512_set1_ps(qb[8 * i + l]), k, b[l]);
+      for (int h = 0; h < NH; ++h) a[h][l] = _mm512_fmadd_ps(_mm512_set1_ps(q[h][8 * i + l]), k, a[h][l]);
     }
   const __m512 sc = _mm512_set1_ps(scale);
-  const __m512 ta = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
-  const __m512 ua = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
-  _mm512_storeu_ps(oa + p, _mm512_mul_ps(_mm512_add_ps(ta, ua), sc));
-  const __m512 tb = _mm512_add_ps(_mm512_add_ps(b[0], b[4]), _mm512_add_ps(b[2], b[6]));
-  const __m512 ub = _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7]));
-  _mm512_storeu_ps(ob + p, _mm512_mul_ps(_mm512_add_ps(tb, ub), sc));
+  for (int h = 0; h < NH; ++h) {
+    const __m512 t = _mm512_add_ps(_mm512_add_ps(a[h][0], a[h][4]), _mm512_add_ps(a[h][2], a[h][6]));
+    const __m512 u = _mm512_add_ps(_mm512_add_ps(a[h][1], a[h][5]), _mm512_add_ps(a[h][3], a[h][7]));
+    _mm512_storeu_ps(out[h] + p, _mm512_mul_ps(_mm512_add_ps(t, u), sc));
+  }
 }
 // V sums of H query heads (NZ 16-float registers a head) over positions 0..L-1 in order:
 // out[j][e] = sum_p s[j * ld + p] * V[p][e], one FMA chain a element; V rows widened (vf) or the
@@ -278,10 +263,12 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       if (trans) {  // a 16-position block of K^T (d x 16 floats) stays in L1 for the g query heads
         for (int64_t p = 0; p < L; p += 16) {
           int64_t j = 0;
-          for (; j + 2 <= g; j += 2)
-            scores16x2(qf.data() + j * d, qf.data() + (j + 1) * d, kt.data(), LT, D8, p, scale, s.data() + j * LS,
-                       s.data() + (j + 1) * LS);
-          if (j < g) scores16(qf.data() + j * d, kt.data(), LT, D8, p, scale, s.data() + j * LS);
+          for (; j < g; j += 2) {
+            const float* qh[2] = {qf.data() + j * d, qf.data() + (j + 1) * d};
+            float* oh[2] = {s.data() + j * LS, s.data() + (j + 1) * LS};
+            if (j + 2 <= g) scores16<2>(qh, kt.data(), LT, D8, p, scale, oh);
+            else scores16<1>(qh, kt.data(), LT, D8, p, scale, oh);
+          }
         }
       }
 #endif
