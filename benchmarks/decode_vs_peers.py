@@ -18,6 +18,12 @@ One run on the machine at hand, one stream, greedy, 128 generated tokens, prefil
   (prefill tok/s, beside llama-bench's pp512 from the same llama-bench call as tg128).
 - Resident weights: every distinct weight tensor the engine's model holds (llama.cpp: the file's
   tensor bytes).
+- `--rounds N` (N > 1): the host's bandwidth can swing 1.5x within minutes (a Zen 5 read llama.cpp's
+  1.5B at 20.0, 30.9 and 34.0 tok/s within 20 minutes, 2026-12-08), so one llama.cpp run and one
+  mixserve run minutes apart compare two host states. Each mixserve configuration then loads once and
+  alternates with llama-bench N times: llama-bench (tg128 only), then 127 timed mixserve steps, per
+  round. Each round's mixserve / llama.cpp ratio is paired in time; the table shows medians and the
+  notes every round's ratio and their median.
 
 Bytes per token = weight bytes read per decoded token: mixserve, every DenseLinear (out x in x dtype
 size) and Int4Linear (weight_bytes()); llama.cpp, every GGUF tensor but token_embd.weight when
@@ -111,14 +117,16 @@ def gguf_bytes_per_token(path: Path) -> int:
     return sum(tensors.values())
 
 
-def run_llama_bench(binary: Path, path: Path) -> dict:
-    out = subprocess.run([str(binary), "-m", str(path), "-p", str(PREFILL_TOKENS), "-n", str(NEW_TOKENS),
-                          "-t", str(THREADS), "-o", "json"], capture_output=True, text=True)
+def run_llama_bench(binary: Path, path: Path, prefill: bool = True) -> dict:
+    """llama-bench's tg128 (and pp512 where `prefill`) on the GGUF at `path`: tok/s, its stddev over
+    llama-bench's repetitions, the build, and the file's bytes. Raises RuntimeError where it fails."""
+    out = subprocess.run([str(binary), "-m", str(path), "-p", str(PREFILL_TOKENS if prefill else 0),
+                          "-n", str(NEW_TOKENS), "-t", str(THREADS), "-o", "json"], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"llama-bench exited {out.returncode}: {out.stderr[-500:]}")
     runs = json.loads(out.stdout)
     tg = next(r for r in runs if r["n_gen"] == NEW_TOKENS)
-    pp = next(r for r in runs if r["n_prompt"] == PREFILL_TOKENS)
+    pp = next(r for r in runs if r["n_prompt"] == PREFILL_TOKENS) if prefill else {"avg_ts": float("nan")}
     return {"tok_s": tg["avg_ts"], "stddev_tok_s": tg["stddev_ts"], "prefill_tok_s": pp["avg_ts"],
             "build_commit": tg["build_commit"], "model_type": tg["model_type"],
             "bytes_per_token": gguf_bytes_per_token(path), "resident_weight_bytes": sum(gguf_tensor_bytes(path).values())}
@@ -197,7 +205,10 @@ def resident_weight_bytes(model) -> int:
     return sum(seen.values())
 
 
-def run_mixserve(model: str, prompt: str, config: dict) -> dict:
+def run_mixserve(model: str, prompt: str, config: dict, rounds: int = 1, peer=None) -> dict:
+    """mixserve's single-stream decode (127 timed steps after prefill) and 512-token prefill with
+    engine `config`. rounds > 1: the decode is timed `rounds` times in the one engine, `peer(r)` (a
+    callable, or None) run before each, and tok_s is their median (rounds_tok_s lists them)."""
     from mixserve.engine.args import EngineArgs
     from mixserve.engine.llm_engine import LLMEngine
     from mixserve.sampling_params import SamplingParams
@@ -211,14 +222,19 @@ def run_mixserve(model: str, prompt: str, config: dict) -> dict:
     engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     while engine.has_unfinished():
         engine.step()
-    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-    engine.step()  # prefill + first token
-    steps = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
-    assert len(steps) == NEW_TOKENS - 1, len(steps)
+    per_round = []
+    for r in range(rounds):
+        if peer is not None:
+            peer(r)
+        engine.add_request(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        engine.step()  # prefill + first token
+        steps = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - t0)
+        assert len(steps) == NEW_TOKENS - 1, len(steps)
+        per_round.append((len(steps) / sum(steps), statistics.median(steps)))
     # prefill of PREFILL_TOKENS tokens in one step (as llama-bench's pp512), after one warm-up
     long_ids = (ids * (PREFILL_TOKENS // len(ids) + 1))[:PREFILL_TOKENS]
     prefill = []
@@ -229,7 +245,9 @@ def run_mixserve(model: str, prompt: str, config: dict) -> dict:
         prefill.append(time.perf_counter() - t0)
         while engine.has_unfinished():
             engine.step()
-    res = {"tok_s": len(steps) / sum(steps), "median_step_ms": 1e3 * statistics.median(steps),
+    res = {"tok_s": statistics.median(t for t, _ in per_round),
+           "median_step_ms": 1e3 * statistics.median(m for _, m in per_round),
+           "rounds_tok_s": [t for t, _ in per_round],
            "prefill_tok_s": PREFILL_TOKENS / prefill[-1], "resident_weight_bytes": resident_weight_bytes(engine.model),
            "prompt_tokens": len(ids), "bytes_per_token": mixserve_bytes_per_token(engine),
            "describe": engine.describe(), "load_s": engine.load_time_s, "kernel_choice_s": engine.kernel_choice_s}
@@ -245,6 +263,9 @@ def table(rows: list[dict], bandwidth: float) -> str:
         peers = {p["engine"]: p["tok_s"] for p in rows if p["model"] == r["model"]}
         gbs = r["tok_s"] * r["bytes_per_token"] / 1e9
         ratio = lambda k: f"{r['tok_s'] / peers[k]:.2f}" if k in peers else "—"
+        if r.get("paired_ratios"):  # --rounds: the median of the rounds' ratios, each paired in time
+            ratio = (lambda k, f=ratio: f"{statistics.median(r['paired_ratios']):.2f} (paired)"
+                     if k == "llama.cpp" else f(k))
         step = f"{r['median_step_ms']:.1f}" if "median_step_ms" in r else "—"
         lines.append(f"| {r['model']} | {r['engine']} | {r['tok_s']:.1f} | {1e3 / r['tok_s']:.1f} | {step} "
                      f"| {r['bytes_per_token'] / 1e6:.0f} MB | {gbs:.1f} | {gbs * 1e9 / bandwidth:.0%} "
@@ -264,7 +285,11 @@ def main():
                     help=f"mixserve configurations to run (of {', '.join(MIXSERVE_CONFIGS)})")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers row")
     ap.add_argument("--out", default="results/decode_vs_peers.json")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="N > 1: each mixserve configuration alternates with llama-bench N times (paired ratios)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     amx_permitted()  # before any oneDNN call, so HF and F.linear run under the ISA cap mixserve uses
     torch.set_num_threads(THREADS)
 
@@ -292,7 +317,22 @@ def main():
             print(f"{name} HF bf16: {rows[-1]['tok_s']:.1f} tok/s; modules {rows[-1]['linears']}", flush=True)
         for cname in a.configs.split(","):
             cfg = MIXSERVE_CONFIGS[cname]
-            rows.append({"model": name, "engine": f"mixserve {cname}", **run_mixserve(model, prompt, cfg)})
+            paired: list[float] = []
+            peer = None
+            if a.rounds > 1 and binary is not None:
+                def peer(r, path=path, paired=paired):
+                    paired.append(run_llama_bench(binary, path, prefill=False)["tok_s"])
+                    print(f"  round {r}: llama.cpp {paired[-1]:.1f} tok/s", flush=True)
+            rows.append({"model": name, "engine": f"mixserve {cname}",
+                         **run_mixserve(model, prompt, cfg, rounds=a.rounds, peer=peer)})
+            if paired:
+                rows[-1]["paired_llama_tok_s"] = paired
+                ratios = [m / l for m, l in zip(rows[-1]["rounds_tok_s"], paired)]
+                rows[-1]["paired_ratios"] = ratios
+                notes.append(f"{name} mixserve {cname}: paired with llama.cpp tg{NEW_TOKENS} in {a.rounds} rounds: "
+                             f"mixserve {', '.join(f'{t:.1f}' for t in rows[-1]['rounds_tok_s'])} against "
+                             f"{', '.join(f'{t:.1f}' for t in paired)} tok/s; ratios "
+                             f"{', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
             print(f"{name} mixserve {cname}: {rows[-1]['tok_s']:.1f} tok/s; {rows[-1]['describe']}", flush=True)
 
     for r in rows:
