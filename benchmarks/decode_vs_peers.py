@@ -339,7 +339,9 @@ def main():
         peer = {p["engine"]: p for p in rows if p["model"] == r["model"]}
         if r["engine"] == "mixserve native" and "llama.cpp" in peer:
             lc = peer["llama.cpp"]
-            notes.append(f"{r['model']} mixserve native: {r['tok_s'] / lc['tok_s']:.2f}x llama.cpp tg{NEW_TOKENS}; "
+            x = statistics.median(r["paired_ratios"]) if r.get("paired_ratios") else r["tok_s"] / lc["tok_s"]
+            notes.append(f"{r['model']} mixserve native: {x:.2f}x llama.cpp tg{NEW_TOKENS}"
+                         f"{' (paired rounds, median)' if r.get('paired_ratios') else ''}; "
                          f"resident weights {r['resident_weight_bytes'] / lc['resident_weight_bytes']:.3f}x the "
                          f"file's tensor bytes; prefill {PREFILL_TOKENS}: {r['prefill_tok_s']:.0f} tok/s vs "
                          f"llama.cpp pp{PREFILL_TOKENS} {lc['prefill_tok_s']:.0f}")

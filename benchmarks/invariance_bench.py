@@ -13,9 +13,9 @@ so start-up is paid per run, outside what `bench` measures (its clock starts at 
 
 Before the rounds, `mixserve prepare` runs once per arm (with the extra flags that are engine flags),
 so that every kernel choice of both arms is measured and cached: on a fresh cache a start times only
-what its 20 s budget allows and runs the rest on priors, and the arms then compared different choices
-(issue 43: AVX2 forced, 200 requests, 0.755x on a cache the two arms had filled unevenly; 0.979x with
-both prepared, BENCHMARKS.md). `--no-prepare` skips it.
+what its 20 s budget allows and runs the rest on priors, and the arms can then compare different
+choices (issue 43, AVX2 forced, 200 requests: 0.755x on a cache the two arms had filled unevenly, or on a
+noisy host, 0.979x with both prepared; BENCHMARKS.md). `--no-prepare` skips it.
 """
 from __future__ import annotations
 
