@@ -1233,6 +1233,43 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
         const uint8_t* hg = HB == 4 ? hi + g * (G / 8) * 64 : (HB ? hi + g * 64 : nullptr);
         if (PF) _mm_prefetch((const char*)(lg + PF * 64), _MM_HINT_T0);
         const int64_t c0 = g * G;
+        if constexpr (R == 1 && HB != 4 && !ALT) {
+          // one row: both halves of a step pair under one set of broadcasts (the same integers, so
+          // the same bits; a quarter fewer instructions than a half at a time)
+          const __m256i hv0 = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)hg) : _mm256_setzero_si256();
+          const __m256i hv1 = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32)) : _mm256_setzero_si256();
+          const int8_t* x1 = X1[0] + c0;
+          const int8_t* x2 = X2[0] + c0;
+          __m256i is0 = _mm256_setzero_si256(), is1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int64_t j0 = 0; j0 < G / 8; j0 += JF) {
+            __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;  // half 0 / 1, level 1 / 2
+#pragma GCC unroll 4
+            for (int64_t j = j0; j < j0 + JF; ++j) {
+              const __m256i u = bcast4x(x1 + 4 * j), v = bcast4x(x1 + 4 * (j + G / 8));
+              const __m256i u2 = bcast4x(x2 + 4 * j), v2 = bcast4x(x2 + 4 * (j + G / 8));
+              __m256i qa, qb, ha, hb;
+              unpack8<G, HB>(lg, hg, hv0, j, 0, qa, qb, ha, hb);
+              a1 = _mm256_add_epi16(a1, _mm256_add_epi16(_mm256_maddubs_epi16(qa, u), _mm256_maddubs_epi16(qb, v)));
+              a2 = _mm256_add_epi16(a2, _mm256_add_epi16(_mm256_maddubs_epi16(qa, u2), _mm256_maddubs_epi16(qb, v2)));
+              unpack8<G, HB>(lg, hg, hv1, j, 1, qa, qb, ha, hb);
+              b1 = _mm256_add_epi16(b1, _mm256_add_epi16(_mm256_maddubs_epi16(qa, u), _mm256_maddubs_epi16(qb, v)));
+              b2 = _mm256_add_epi16(b2, _mm256_add_epi16(_mm256_maddubs_epi16(qa, u2), _mm256_maddubs_epi16(qb, v2)));
+            }
+            is0 = _mm256_add_epi32(is0, _mm256_add_epi32(_mm256_madd_epi16(a1, k256), _mm256_madd_epi16(a2, k1)));
+            is1 = _mm256_add_epi32(is1, _mm256_add_epi32(_mm256_madd_epi16(b1, k256), _mm256_madd_epi16(b2, k1)));
+          }
+          __m256i isv[2] = {is0, is1};
+          for (int h = 0; h < 2; ++h) {
+            __m256 s, m;
+            scales8(M, p, g, h, s, m);
+            if (!off) isv[h] = _mm256_sub_epi32(isv[h], _mm256_set1_epi32(M.z * GS[0][g]));
+            else acc[0][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(XS[0][g]), acc[0][h]);
+            acc[0][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isv[h]), _mm256_mul_ps(s, _mm256_set1_ps(E[0][c0 / 32])),
+                                        acc[0][h]);
+          }
+          continue;
+        }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const __m256i hv = (HB == 1 || HB == 2) ? _mm256_loadu_si256((const __m256i*)(hg + 32 * h))
