@@ -262,10 +262,10 @@ def table(rows: list[dict], bandwidth: float) -> str:
     for r in rows:
         peers = {p["engine"]: p["tok_s"] for p in rows if p["model"] == r["model"]}
         gbs = r["tok_s"] * r["bytes_per_token"] / 1e9
-        ratio = lambda k: f"{r['tok_s'] / peers[k]:.2f}" if k in peers else "—"
-        if r.get("paired_ratios"):  # --rounds: the median of the rounds' ratios, each paired in time
-            ratio = (lambda k, f=ratio: f"{statistics.median(r['paired_ratios']):.2f} (paired)"
-                     if k == "llama.cpp" else f(k))
+        def ratio(k):
+            if k == "llama.cpp" and r.get("paired_ratios"):  # --rounds: the median of ratios paired in time
+                return f"{statistics.median(r['paired_ratios']):.2f} (paired)"
+            return f"{r['tok_s'] / peers[k]:.2f}" if k in peers else "—"
         step = f"{r['median_step_ms']:.1f}" if "median_step_ms" in r else "—"
         lines.append(f"| {r['model']} | {r['engine']} | {r['tok_s']:.1f} | {1e3 / r['tok_s']:.1f} | {step} "
                      f"| {r['bytes_per_token'] / 1e6:.0f} MB | {gbs:.1f} | {gbs * 1e9 / bandwidth:.0%} "

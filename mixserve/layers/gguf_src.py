@@ -1195,6 +1195,16 @@ static inline __m256i bcast4x(const void* p) { int32_t u; std::memcpy(&u, p, 4);
 template <int HB>
 constexpr int cap16() { return HB == 1 ? 4 : (HB == 2 ? 2 : 8); }
 
+// A group's float step for one row and half panel, in the float order written at the top: the offset
+// term (fma(m_g, xs_g), the types with one) or the zero point out of the integer sum (z * sum of x16),
+// then fma(float(isum), s_g * e). Both few-row paths below end a group with it.
+static inline __m256 group_step(__m256 acc, __m256i is, __m256 s, __m256 m, bool off, int32_t z, int32_t gs,
+                                float xs, float e) {
+  if (!off) is = _mm256_sub_epi32(is, _mm256_set1_epi32(z * gs));
+  else acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xs), acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(s, _mm256_set1_ps(e)), acc);
+}
+
 // The few-row kernel: per group and half panel, the exact integer sum 256 * sum(q * x1) + sum(q * x2)
 // (Q8_0: q = 16 * hi + lo). vpmaddubsw's int16 outputs are summed in int16 up to cap16 of them, then
 // widened once with vpmaddwd against 256 or 1 (4096 or 16 for Q8_0's high nibble): a quarter of the
@@ -1259,14 +1269,11 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
             is0 = _mm256_add_epi32(is0, _mm256_add_epi32(_mm256_madd_epi16(a1, k256), _mm256_madd_epi16(a2, k1)));
             is1 = _mm256_add_epi32(is1, _mm256_add_epi32(_mm256_madd_epi16(b1, k256), _mm256_madd_epi16(b2, k1)));
           }
-          __m256i isv[2] = {is0, is1};
+          const __m256i isv[2] = {is0, is1};
           for (int h = 0; h < 2; ++h) {
             __m256 s, m;
             scales8(M, p, g, h, s, m);
-            if (!off) isv[h] = _mm256_sub_epi32(isv[h], _mm256_set1_epi32(M.z * GS[0][g]));
-            else acc[0][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(XS[0][g]), acc[0][h]);
-            acc[0][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isv[h]), _mm256_mul_ps(s, _mm256_set1_ps(E[0][c0 / 32])),
-                                        acc[0][h]);
+            acc[0][h] = group_step(acc[0][h], isv[h], s, m, off, M.z, GS[0][g], XS[0][g], E[0][c0 / 32]);
           }
           continue;
         }
@@ -1311,12 +1318,8 @@ static void few(const Layout& L, const Act& A, int64_t r0, float* y, int64_t PF)
           }
           __m256 s, m;
           scales8(M, p, g, h, s, m);
-          for (int r = 0; r < R; ++r) {
-            if (!off) is[r] = _mm256_sub_epi32(is[r], _mm256_set1_epi32(M.z * GS[r][g]));
-            else acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(XS[r][g]), acc[r][h]);
-            acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(s, _mm256_set1_ps(E[r][c0 / 32])),
-                                        acc[r][h]);
-          }
+          for (int r = 0; r < R; ++r)
+            acc[r][h] = group_step(acc[r][h], is[r], s, m, off, M.z, GS[r][g], XS[r][g], E[r][c0 / 32]);
         }
       }
       const int64_t left = M.N - 16 * p;
